@@ -1,0 +1,261 @@
+"""What each layer of a Hugging Face model keeps in the KV cache, read from its config.json.
+
+The hybrid layout always comes from the config's fields (`layer_types`, `sliding_window`,
+`sliding_window_pattern`, `attention_chunk_size`, `no_rope_layers`, Mamba layer indices...),
+never from the model's name.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+FULL, SLIDING, CHUNKED, MAMBA, CROSS = "full_attention", "sliding_window", "chunked_local", "mamba", "cross_attention"
+
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2,
+                "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "float8_e4m3fn": 1}
+
+
+class ConfigError(ValueError):
+    """A config we cannot plan for; the message names what is missing or unsupported."""
+
+
+@dataclass(frozen=True)
+class MambaShape:
+    version: int  # 1 (Jamba) or 2 (Bamba, Granite-4, Nemotron-H)
+    intermediate: int
+    d_state: int
+    d_conv: int
+    n_heads: int = 0  # Mamba2
+    d_head: int = 0  # Mamba2
+    n_groups: int = 1  # Mamba2
+
+    def state_elements(self, tp: int) -> int:
+        """Conv + SSM state elements of one layer on one of `tp` ranks."""
+        if self.version == 1:
+            if self.intermediate % tp:
+                raise ConfigError(f"Mamba intermediate size {self.intermediate} is not divisible by tp={tp}")
+            inner = self.intermediate // tp
+            return (self.d_conv - 1) * inner + inner * self.d_state
+        if self.n_heads % tp:
+            raise ConfigError(f"Mamba2 heads ({self.n_heads}) are not divisible by tp={tp}")
+        groups = _heads_per_rank(self.n_groups, tp, "Mamba2 groups")
+        conv_dim = self.intermediate // tp + 2 * groups * self.d_state
+        return (self.d_conv - 1) * conv_dim + (self.n_heads // tp) * self.d_head * self.d_state
+
+
+@dataclass(frozen=True)
+class LayerKV:
+    name: str
+    kind: str
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    window: int = 0
+    chunk: int = 0
+    mamba: MambaShape | None = None
+    kv_sharing_target: str | None = None  # reads this layer's K/V, allocates nothing
+
+    def bytes_per_token(self, tp: int, dtype_bytes: int) -> int:
+        return 2 * _heads_per_rank(self.num_kv_heads, tp, "KV heads") * self.head_dim * dtype_bytes
+
+    def state_bytes(self, tp: int, dtype_bytes: int) -> int:
+        assert self.mamba is not None
+        return self.mamba.state_elements(tp) * dtype_bytes
+
+
+def _heads_per_rank(n: int, tp: int, what: str) -> int:
+    """Heads split across ranks; replicated (one per rank) when tp exceeds them."""
+    if n >= tp:
+        if n % tp:
+            raise ConfigError(f"{n} {what} cannot be split across tp={tp} ranks (not divisible)")
+        return n // tp
+    if tp % n:
+        raise ConfigError(f"{n} {what} cannot be replicated across tp={tp} ranks (tp not a multiple)")
+    return 1
+
+
+@dataclass(frozen=True)
+class ModelKVConfig:
+    name: str
+    architecture: str
+    layers: tuple[LayerKV, ...]
+    dtype_bytes: int
+    max_model_len: int
+
+
+def builtin_names() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+
+
+def load_config_dict(name_or_path: str) -> tuple[str, dict]:
+    """A built-in name, a config.json path, or a folder holding config.json."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{name_or_path}: folder has no config.json")
+    elif not path.is_file():
+        builtin = CONFIG_DIR / f"{name_or_path}.json"
+        if not builtin.is_file():
+            raise ConfigError(f"{name_or_path!r} is neither a config.json, a folder holding one, nor a built-in "
+                              f"model ({', '.join(builtin_names())})")
+        path = builtin
+    try:
+        return path.stem if path.parent == CONFIG_DIR else str(name_or_path), json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+
+
+def _need(cfg: dict, *keys: str, what: str = ""):
+    for k in keys:
+        if cfg.get(k) is not None:
+            return cfg[k]
+    raise ConfigError(f"config lacks {' or '.join(keys)}" + (f" ({what})" if what else ""))
+
+
+# Published config.json files leave these to the transformers config class's defaults.
+_MODEL_TYPE_DEFAULTS: dict[str, dict] = {
+    "gemma3_text": {"head_dim": 256, "max_position_embeddings": 131072, "sliding_window_pattern": 6},
+    "cohere2": {"sliding_window_pattern": 4},
+    "llama4_text": {"no_rope_layer_interval": 4},
+}
+_MODEL_TYPE_DEFAULTS["gemma3"] = _MODEL_TYPE_DEFAULTS["gemma3_text"]
+_MODEL_TYPE_DEFAULTS["llama4"] = _MODEL_TYPE_DEFAULTS["llama4_text"]
+
+
+def parse_model_config(cfg: dict, name: str = "model", kv_cache_dtype: str = "auto") -> ModelKVConfig:
+    arch = (cfg.get("architectures") or [cfg.get("model_type", "unknown")])[0]
+    text = cfg.get("text_config") or cfg
+    mt = text.get("model_type") or cfg.get("model_type") or ""
+    text = {**_MODEL_TYPE_DEFAULTS.get(mt, {}), **{k: v for k, v in text.items() if v is not None}}
+    get = lambda k, d=None: text.get(k, cfg.get(k, d))  # noqa: E731
+    num_layers = _need(text, "num_hidden_layers", "n_layer", "num_layers", what="number of layers")
+    heads = get("num_attention_heads")
+    kv_heads = get("num_key_value_heads") or heads
+    hidden = get("hidden_size")
+    head_dim = get("head_dim") or (hidden // heads if hidden and heads else None)
+    dtype = kv_cache_dtype
+    if dtype == "auto":
+        # As vLLM's "auto": a float32 checkpoint is served in bfloat16.
+        dtype = get("torch_dtype") or get("dtype") or "bfloat16"
+        dtype = "bfloat16" if dtype in ("float32", "float") else dtype
+    if dtype not in _DTYPE_BYTES:
+        raise ConfigError(f"unsupported KV cache dtype {dtype!r} (one of {', '.join(_DTYPE_BYTES)})")
+    max_len = get("max_position_embeddings") or get("max_seq_len") or get("seq_length")
+    if not max_len:
+        raise ConfigError("config lacks max_position_embeddings: give --max-model-len")
+
+    kinds = _layer_kinds(text, cfg, int(num_layers))
+    mamba = _mamba_shape(text) if MAMBA in kinds else None
+    if any(k != MAMBA for k in kinds):
+        if not heads:
+            raise ConfigError("config lacks num_attention_heads")
+        if not head_dim:
+            raise ConfigError("config lacks head_dim (or hidden_size)")
+    window, chunk = get("sliding_window"), get("attention_chunk_size")
+    if SLIDING in kinds and not window:
+        raise ConfigError("config has sliding-window layers but no sliding_window size")
+    if CHUNKED in kinds and not chunk:
+        raise ConfigError("config has chunked-attention layers but no attention_chunk_size")
+
+    names = [f"model.layers.{i}" for i in range(num_layers)]
+    shared = _kv_sharing(text, kinds, names)
+    layers = tuple(
+        LayerKV(name=names[i], kind=k,
+                num_kv_heads=int(kv_heads) if k != MAMBA else 0,
+                head_dim=int(head_dim) if k != MAMBA else 0,
+                window=int(window) if k == SLIDING else 0,
+                chunk=int(chunk) if k == CHUNKED else 0,
+                mamba=mamba if k == MAMBA else None,
+                kv_sharing_target=shared.get(i))
+        for i, k in enumerate(kinds))
+    return ModelKVConfig(name=name, architecture=arch, layers=layers, dtype_bytes=_DTYPE_BYTES[dtype],
+                         max_model_len=int(max_len))
+
+
+_LAYER_TYPE_NAMES = {
+    "full_attention": FULL, "attention": FULL, "global": FULL,
+    "sliding_attention": SLIDING, "sliding_window": SLIDING, "local": SLIDING,
+    "chunked_attention": CHUNKED,
+    "mamba": MAMBA, "mamba2": MAMBA,
+    "cross_attention": CROSS,
+}
+
+
+def _layer_kinds(text: dict, cfg: dict, n: int) -> list[str]:
+    mt = text.get("model_type") or cfg.get("model_type") or ""
+    if text.get("layer_types"):
+        types = text["layer_types"]
+        if len(types) != n:
+            raise ConfigError(f"layer_types has {len(types)} entries for {n} layers")
+        unknown = sorted({t for t in types if t not in _LAYER_TYPE_NAMES})
+        if unknown:
+            raise ConfigError(f"unsupported layer type(s) {', '.join(unknown)} "
+                              f"(supported: {', '.join(sorted(_LAYER_TYPE_NAMES))})")
+        return [_LAYER_TYPE_NAMES[t] for t in types]
+    if text.get("attn_layer_indices") is not None:  # Bamba
+        idx = set(text["attn_layer_indices"])
+        return [FULL if i in idx else MAMBA for i in range(n)]
+    if text.get("attn_layer_period") is not None:  # Jamba
+        period, offset = text["attn_layer_period"], text.get("attn_layer_offset", 0)
+        return [FULL if i % period == offset else MAMBA for i in range(n)]
+    if text.get("hybrid_override_pattern"):  # Nemotron-H: M = Mamba, * = attention, - = MLP only
+        raise ConfigError("hybrid_override_pattern (Nemotron-H) layouts are not supported yet")
+    if text.get("cross_attention_layers") is not None:  # Mllama
+        idx = set(text["cross_attention_layers"])
+        return [CROSS if i in idx else FULL for i in range(n)]
+    if text.get("attention_chunk_size") and (text.get("no_rope_layers") is not None
+                                             or text.get("no_rope_layer_interval")):  # Llama-4
+        flags = text.get("no_rope_layers") or []
+        if not flags:  # transformers' default: every interval-th layer is NoPE
+            interval = text.get("no_rope_layer_interval", 4)
+            flags = [int((i + 1) % interval != 0) for i in range(n)]
+        if len(flags) != n:
+            raise ConfigError(f"no_rope_layers has {len(flags)} entries for {n} layers")
+        # 1 = a RoPE layer, which attends within its chunk; 0 = a NoPE layer with global attention.
+        return [CHUNKED if f else FULL for f in flags]
+    window = text.get("sliding_window")
+    pattern = text.get("sliding_window_pattern") or text.get("_sliding_window_pattern")
+    if window and pattern:  # Gemma-3, Cohere2: every pattern-th layer is global
+        return [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(n)]
+    if window and mt == "gemma2":  # alternating, sliding first
+        return [SLIDING if i % 2 == 0 else FULL for i in range(n)]
+    if window and "use_sliding_window" in text:  # Qwen2/3: off unless asked, from max_window_layers on
+        if not text["use_sliding_window"]:
+            return [FULL] * n
+        first = text.get("max_window_layers", 0)
+        return [SLIDING if i >= first else FULL for i in range(n)]
+    if window:
+        return [SLIDING] * n
+    return [FULL] * n
+
+
+def _mamba_shape(text: dict) -> MambaShape:
+    hidden = _need(text, "hidden_size")
+    expand = text.get("mamba_expand", 2)
+    d_state = _need(text, "mamba_d_state", "ssm_state_size", what="Mamba state size")
+    d_conv = _need(text, "mamba_d_conv", "conv_kernel", what="Mamba conv width")
+    if text.get("mamba_n_heads") or text.get("mamba_num_heads"):
+        n_heads = text.get("mamba_n_heads") or text.get("mamba_num_heads")
+        d_head = _need(text, "mamba_d_head", "mamba_head_dim", what="Mamba2 head size")
+        return MambaShape(2, int(n_heads * d_head), int(d_state), int(d_conv), int(n_heads), int(d_head),
+                          int(text.get("mamba_n_groups", 1)))
+    return MambaShape(1, int(expand * hidden), int(d_state), int(d_conv))
+
+
+def _kv_sharing(text: dict, kinds: list[str], names: list[str]) -> dict[int, str]:
+    """Gemma-3n style: the last `num_kv_shared_layers` layers read the K/V of the last earlier
+    layer of the same kind."""
+    n_shared = text.get("num_kv_shared_layers") or 0
+    if not n_shared:
+        return {}
+    first_shared = len(kinds) - n_shared
+    out = {}
+    for i in range(first_shared, len(kinds)):
+        targets = [j for j in range(first_shared) if kinds[j] == kinds[i]]
+        if not targets:
+            raise ConfigError(f"layer {i} shares KV but no earlier {kinds[i]} layer exists")
+        out[i] = names[targets[-1]]
+    return out

@@ -1,0 +1,302 @@
+"""One manager per attention type; each serves every KV cache group that shares its spec.
+
+Groups with the same spec always hold the same number of blocks for a request (they see the same
+tokens), so a manager decides once per request and applies the decision to all its groups: a
+prefix lookup is one scan in which a block hash must be cached in every group, and an allocation
+pops `n x groups` blocks at once.
+
+A request's table in a group has one entry per block of its tokens; entries the layer no longer
+reads are the null block.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from distengine.request import Request
+from distengine.kv_cache.block_pool import EVICT_FIRST, NORMAL, BlockPool, KVCacheBlock
+from distengine.kv_cache.specs import (ChunkedLocalAttentionSpec, CrossAttentionSpec, FullAttentionSpec,
+                                       KVCacheSpec, MambaSpec, SlidingWindowSpec, cdiv)
+
+GroupBlocks = list[list[KVCacheBlock]]  # one list per group of the manager
+
+
+class RequestBlocks:
+    """A request's tables in the groups of one manager."""
+
+    __slots__ = ("tables", "num_cached", "num_skipped", "hit_lo", "hit_hi")
+
+    def __init__(self, num_groups: int) -> None:
+        self.tables: GroupBlocks = [[] for _ in range(num_groups)]
+        self.num_cached = 0  # leading blocks whose hashes are registered (or were checked)
+        self.num_skipped = 0  # leading entries already replaced by the null block
+        # Block range that came from a prefix hit: for windowed types, the blocks that end a
+        # shared prompt; they are freed into the normal band, not the evict-first one.
+        self.hit_lo = self.hit_hi = 0
+
+
+class SingleTypeKVCacheManager:
+    spec: KVCacheSpec
+    # Whether full blocks are registered when allocated (before the step computes them). Safe
+    # for attention: each layer stores the whole batch's K/V before any request reads them, so a
+    # hit in the same step reads written data. Not safe for a recurrent state (see Mamba).
+    cache_ahead = True
+
+    def __init__(self, spec: KVCacheSpec, group_ids: list[int], pool: BlockPool) -> None:
+        self.spec = spec
+        self.block_size = spec.block_size
+        self.group_ids = group_ids
+        self.num_groups = len(group_ids)
+        self.pool = pool
+        self.null_block = pool.null_block
+        self.requests: dict[str, RequestBlocks] = {}
+
+    # ---- prefix lookup -------------------------------------------------------------------
+    def find_longest_cache_hit(self, block_hashes: Sequence[int], max_length: int) -> tuple[GroupBlocks, int]:
+        """Blocks per group of the longest prefix of at most `max_length` tokens that hits."""
+        raise NotImplementedError
+
+    def _lookup(self, block_hash: int) -> list[KVCacheBlock] | None:
+        return self.pool.get_cached_blocks(block_hash, self.group_ids)
+
+    # ---- allocation ----------------------------------------------------------------------
+    def _needed_indices(self, request: Request, num_computed: int, num_tokens: int,
+                        num_entries: int) -> range | list[int]:
+        """Block indices, at or after `num_entries`, that need a new block for tokens up to num_tokens."""
+        return range(max(num_entries, self.spec.first_needed_block(num_computed)), cdiv(num_tokens, self.block_size))
+
+    def num_blocks_to_allocate(self, request: Request, num_computed: int, num_tokens: int,
+                               new_computed: GroupBlocks | None) -> int:
+        """Net blocks taken from the free pool by `allocate`: new ones, plus prefix-hit blocks
+        that are free now, minus the blocks that skipping out-of-window entries will free."""
+        req = self.requests.get(request.request_id)
+        num_entries = len(req.tables[0]) if req is not None else 0
+        net = 0
+        if new_computed:
+            num_entries += len(new_computed[0])
+            net += sum(1 for blocks in new_computed for b in blocks if b.ref_cnt == 0 and b is not self.null_block)
+        net += len(self._needed_indices(request, num_computed, num_tokens, num_entries)) * self.num_groups
+        if req is not None and self.spec.first_needed_block(num_computed) > req.num_skipped:
+            stop = self.spec.first_needed_block(num_computed)
+            net -= sum(1 for t in req.tables for b in t[req.num_skipped:stop]
+                       if b.ref_cnt == 1 and b is not self.null_block)
+        return net
+
+    def allocate(self, request: Request, num_computed: int, num_tokens: int,
+                 new_computed: GroupBlocks | None) -> list[list[int]] | None:
+        """Take the prefix-hit blocks, free skipped ones, append new blocks; returns the entries
+        appended to each group's table (block ids, null = 0), or None when nothing was appended."""
+        req = self.requests.get(request.request_id)
+        if req is None:
+            req = self.requests[request.request_id] = RequestBlocks(self.num_groups)
+            if new_computed and new_computed[0]:
+                self._save_hit(req, new_computed)
+        elif new_computed and new_computed[0]:
+            raise ValueError(f"request {request.request_id}: prefix-hit blocks are only taken at admission")
+        self._skip(req, num_computed)
+        return self._append_new(request, req, num_computed, num_tokens)
+
+    def _save_hit(self, req: RequestBlocks, new_computed: GroupBlocks) -> None:
+        null = self.null_block
+        for table, blocks in zip(req.tables, new_computed):
+            table.extend(blocks)
+            self.pool.touch(blocks)
+        first = req.tables[0]
+        lo = 0
+        while lo < len(first) and first[lo] is null:
+            lo += 1
+        req.num_skipped, req.hit_lo, req.hit_hi = lo, lo, len(first)
+        # Hit blocks are registered already.
+        req.num_cached = len(first)
+
+    def _skip(self, req: RequestBlocks, num_computed: int) -> None:
+        stop = self.spec.first_needed_block(num_computed)
+        start = req.num_skipped
+        if stop <= start:
+            return
+        null, free = self.null_block, self.pool.free_blocks
+        lo, hi = max(start, req.hit_lo), min(stop, req.hit_hi)
+        for table in req.tables:
+            end = min(stop, len(table))
+            dropped = table[start:end]
+            table[start:end] = [null] * len(dropped)
+            if lo < hi:
+                free([b for i, b in enumerate(dropped, start) if not lo <= i < hi], EVICT_FIRST)
+                free(dropped[lo - start:hi - start], NORMAL)
+            else:
+                free(dropped, EVICT_FIRST)
+        req.num_skipped = stop
+
+    def _append_new(self, request: Request, req: RequestBlocks, num_computed: int,
+                    num_tokens: int) -> list[list[int]] | None:
+        tables = req.tables
+        num_entries = len(tables[0])
+        needed = self._needed_indices(request, num_computed, num_tokens, num_entries)
+        if not needed:
+            return None
+        n = len(needed)
+        new = self.pool.get_new_blocks(n * self.num_groups)
+        null = self.null_block
+        appended = []
+        for j, table in enumerate(tables):
+            blocks = new[j * n:(j + 1) * n]
+            if needed[0] > num_entries or needed[-1] - needed[0] + 1 != n:
+                # Gaps (null entries) before or between the new blocks.
+                row = [null] * (needed[-1] + 1 - num_entries)
+                for i, b in zip(needed, blocks):
+                    row[i - num_entries] = b
+                blocks = row
+            table.extend(blocks)
+            appended.append([b.block_id for b in blocks])
+        return appended
+
+    # ---- caching and freeing -------------------------------------------------------------
+    def cache_blocks(self, request_id: str, block_hashes: Sequence[int], num_tokens: int) -> None:
+        """Register the hashes of the full blocks among the first `num_tokens` tokens."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        num_full = num_tokens // self.block_size
+        start = req.num_cached
+        if num_full <= start:
+            return
+        null, cache = self.null_block, self.pool.cache_block
+        for g, table in zip(self.group_ids, req.tables):
+            for i in range(start, min(num_full, len(table))):
+                block = table[i]
+                if block is not null and block.block_hash is None:
+                    cache(block, block_hashes[i], g)
+        req.num_cached = num_full
+
+    def free(self, request_id: str) -> None:
+        """Release a request's blocks, tail first so that its tail is evicted first."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        for table in req.tables:
+            self.pool.free_blocks(reversed(table), NORMAL)
+
+    def block_ids(self, request_id: str) -> list[list[int]]:
+        req = self.requests.get(request_id)
+        if req is None:
+            return [[] for _ in range(self.num_groups)]
+        return [[b.block_id for b in t] for t in req.tables]
+
+
+class FullAttentionManager(SingleTypeKVCacheManager):
+    def find_longest_cache_hit(self, block_hashes, max_length):
+        num = min(len(block_hashes), max_length // self.block_size)
+        hits: GroupBlocks = [[] for _ in self.group_ids]
+        if self.num_groups == 1:
+            get, row = self.pool.cached[self.group_ids[0]].get, hits[0]
+            for h in block_hashes[:num]:
+                block = get(h)
+                if block is None:
+                    break
+                row.append(block)
+        else:
+            for h in block_hashes[:num]:
+                blocks = self._lookup(h)
+                if blocks is None:
+                    break
+                for row, block in zip(hits, blocks):
+                    row.append(block)
+        return hits, len(hits[0]) * self.block_size
+
+
+class SlidingWindowManager(SingleTypeKVCacheManager):
+    def find_longest_cache_hit(self, block_hashes, max_length):
+        """Scan from the right for a run of cached blocks covering window-1 tokens; the blocks
+        before the run are never read, so they need not be cached (null entries)."""
+        bs, null = self.block_size, self.null_block
+        num = min(len(block_hashes), max_length // bs)
+        need = cdiv(self.spec.window - 1, bs)
+        hits: GroupBlocks = [[null] * num for _ in self.group_ids]
+        run, end = 0, None
+        for i in range(num - 1, -1, -1):
+            if run >= need:
+                end = i + 1 + run
+                break
+            blocks = self._lookup(block_hashes[i])
+            if blocks is None:
+                run = 0
+                continue
+            for row, block in zip(hits, blocks):
+                row[i] = block
+            run += 1
+        if end is None:
+            # Either a full run was found ending at index 0, or only the blocks from the start
+            # are cached: both are hits of `run` blocks.
+            end = run
+        for row in hits:
+            del row[end:]
+        return hits, end * bs
+
+
+class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
+    def find_longest_cache_hit(self, block_hashes, max_length):
+        """Blocks before the chunk that holds position max_length are never read again: only
+        the current chunk's blocks must be cached, scanned from its start."""
+        bs, null = self.block_size, self.null_block
+        num = min(len(block_hashes), max_length // bs)
+        start = min(num, (max_length // self.spec.chunk) * self.spec.chunk // bs)
+        hits: GroupBlocks = [[null] * start for _ in self.group_ids]
+        for i in range(start, num):
+            blocks = self._lookup(block_hashes[i])
+            if blocks is None:
+                break
+            for row, block in zip(hits, blocks):
+                row.append(block)
+        return hits, len(hits[0]) * bs
+
+
+class MambaManager(SingleTypeKVCacheManager):
+    """One state page per request in use; the state at a block boundary is kept, cached under
+    the hash of the block it ends, so that a prefix hit restores it.
+
+    For tokens [T, N) of a step the worker reads the state from entry (T-1)//B and writes the
+    state after the last boundary inside the step (N//B - 1) and the state after token N-1
+    ((N-1)//B). Boundaries in between are not kept: a chunked prefill whose chunks are block
+    multiples keeps a state at every chunk end.
+    """
+
+    # A state is written at the end of the layer's scan: a request in the same step must not
+    # read it, so blocks are registered only once computed.
+    cache_ahead = False
+
+    def _needed_indices(self, request, num_computed, num_tokens, num_entries):
+        bs = self.block_size
+        last = (num_tokens - 1) // bs
+        boundary = num_tokens // bs - 1
+        out = [boundary] if boundary != last and (boundary + 1) * bs > num_computed else []
+        out.append(last)
+        return [i for i in out if i >= num_entries]
+
+    def find_longest_cache_hit(self, block_hashes, max_length):
+        num = min(len(block_hashes), max_length // self.block_size)
+        for i in range(num - 1, -1, -1):
+            blocks = self._lookup(block_hashes[i])
+            if blocks is not None:
+                return [[self.null_block] * i + [b] for b in blocks], (i + 1) * self.block_size
+        return [[] for _ in self.group_ids], 0
+
+
+class CrossAttentionManager(SingleTypeKVCacheManager):
+    """Encoder K/V: allocated in full at a request's first allocation, never cached."""
+
+    def find_longest_cache_hit(self, block_hashes, max_length):
+        raise RuntimeError("cross-attention blocks are not prefix-cached")
+
+    def _needed_indices(self, request, num_computed, num_tokens, num_entries):
+        return range(num_entries, cdiv(request.num_encoder_tokens, self.block_size))
+
+    def cache_blocks(self, request_id, block_hashes, num_tokens):
+        return
+
+
+MANAGER_FOR_SPEC: dict[type, type[SingleTypeKVCacheManager]] = {
+    FullAttentionSpec: FullAttentionManager,
+    SlidingWindowSpec: SlidingWindowManager,
+    ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
+    MambaSpec: MambaManager,
+    CrossAttentionSpec: CrossAttentionManager,
+}

@@ -1,0 +1,1 @@
+"""Command line (`distengine ...`) and cluster start-up."""
