@@ -102,6 +102,13 @@ class KVCacheCoordinator:
         for m in self.managers:
             m.free(request.request_id)
 
+    def quiet_limits(self, request_id: str) -> tuple[float, float]:
+        tokens = computed = float("inf")
+        for m in self.managers:
+            t, c = m.quiet_limits(request_id)
+            tokens, computed = min(tokens, t), min(computed, c)
+        return tokens, computed
+
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         out: list[list[int]] = [[] for _ in range(self.num_groups)]
         for m in self.managers:

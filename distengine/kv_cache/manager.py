@@ -37,6 +37,9 @@ class KVCacheManager:
         self.pool = self.coordinator.pool
         self.num_groups = len(plan.groups)
         self.prefix_cache_stats = PrefixCacheStats()
+        # request id -> (num_tokens, num_computed) up to which allocate_slots has nothing to do:
+        # most decode steps stop at this check.
+        self._quiet: dict[str, tuple[float, float]] = {}
 
     @property
     def usage(self) -> float:
@@ -73,6 +76,12 @@ class KVCacheManager:
         Returns, per group, the block ids appended to the request's table (null entries
         included); None when the pool cannot serve it, in which case nothing has changed.
         """
+        if not num_new_computed_tokens and not num_lookahead_tokens and num_new_tokens >= 0:
+            quiet = self._quiet.get(request.request_id)
+            if quiet is not None:
+                end = request.num_computed_tokens + num_new_tokens
+                if end <= quiet[0] and request.num_computed_tokens <= quiet[1] and end <= len(request.all_token_ids):
+                    return self.coordinator.nothing_appended
         if num_new_tokens < 0 or num_lookahead_tokens < 0 or num_new_computed_tokens < 0:
             raise ValueError(f"request {request.request_id}: negative token count "
                              f"(new={num_new_tokens}, computed={num_new_computed_tokens}, "
@@ -89,15 +98,20 @@ class KVCacheManager:
         if self.enable_caching:
             self._update_block_hashes(request, num_computed + num_new_tokens)
         new = coordinator.allocate_slots(request, num_computed, num_tokens, new_computed_blocks)
-        if new is not None and self.enable_caching:
+        if new is None:
+            return None
+        if self.enable_caching:
             # Lookahead (speculative) slots are not cached: their tokens may be rejected.
             coordinator.cache_blocks(request, num_computed + num_new_tokens)
+        tokens, computed = coordinator.quiet_limits(request.request_id)
+        self._quiet[request.request_id] = (min(tokens, self.max_model_len), computed)
         return new
 
     def free(self, request: Request) -> None:
         """Return a request's blocks (finished, preempted or aborted); cached ones stay findable."""
         if self.enable_caching:
             self._update_block_hashes(request, request.num_computed_tokens)
+        self._quiet.pop(request.request_id, None)
         self.coordinator.free(request)
 
     def reset_prefix_cache(self) -> bool:

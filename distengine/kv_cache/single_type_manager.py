@@ -175,6 +175,20 @@ class SingleTypeKVCacheManager:
         for table in req.tables:
             self.pool.free_blocks(reversed(table), NORMAL)
 
+    def quiet_limits(self, request_id: str) -> tuple[float, float]:
+        """(num_tokens, num_computed) bounds within which an allocation for this request would
+        change nothing here: no new block, no skipped block, no block to register."""
+        req = self.requests[request_id]
+        bs = self.block_size
+        tokens = len(req.tables[0]) * bs
+        computed = self.spec.next_skip_at(req.num_skipped) - 1
+        if self.pool.enable_caching and self.spec.cacheable:
+            if self.cache_ahead:
+                tokens = min(tokens, (req.num_cached + 1) * bs - 1)
+            else:
+                computed = min(computed, (req.num_cached + 1) * bs - 1)
+        return tokens, computed
+
     def block_ids(self, request_id: str) -> list[list[int]]:
         req = self.requests.get(request_id)
         if req is None:
@@ -291,6 +305,10 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
 
     def cache_blocks(self, request_id, block_hashes, num_tokens):
         return
+
+    def quiet_limits(self, request_id):
+        # Allocated in full at admission; nothing changes until the request is freed.
+        return float("inf"), float("inf")
 
 
 MANAGER_FOR_SPEC: dict[type, type[SingleTypeKVCacheManager]] = {

@@ -33,6 +33,11 @@ class KVCacheSpec:
         """Index of the first block the next query still reads; earlier blocks may be freed."""
         return 0
 
+    def next_skip_at(self, num_skipped: int) -> float:
+        """The smallest number of computed tokens at which `first_needed_block` exceeds
+        `num_skipped` (inf: never)."""
+        return float("inf")
+
     def blocks_held(self, num_tokens: int, num_encoder_tokens: int = 0) -> int:
         """Real (non-null) blocks a request holds once `num_tokens` tokens are computed."""
         if num_tokens <= 0:
@@ -66,6 +71,9 @@ class SlidingWindowSpec(KVCacheSpec):
         # The next query (position num_computed_tokens) reads the last window-1 computed tokens.
         return max(0, num_computed_tokens - self.window + 1) // self.block_size
 
+    def next_skip_at(self, num_skipped: int) -> float:
+        return (num_skipped + 1) * self.block_size + self.window - 1
+
     def describe(self) -> str:
         return f"sliding_window(window={self.window})"
 
@@ -83,6 +91,9 @@ class ChunkedLocalAttentionSpec(KVCacheSpec):
 
     def first_needed_block(self, num_computed_tokens: int) -> int:
         return (num_computed_tokens // self.chunk) * self.chunk // self.block_size
+
+    def next_skip_at(self, num_skipped: int) -> float:
+        return cdiv((num_skipped + 1) * self.block_size, self.chunk) * self.chunk
 
     def describe(self) -> str:
         return f"chunked_local(chunk={self.chunk})"
@@ -108,6 +119,9 @@ class MambaSpec(KVCacheSpec):
     def first_needed_block(self, num_computed_tokens: int) -> int:
         # Only the page holding the state after the last computed token is read.
         return max(0, num_computed_tokens - 1) // self.block_size
+
+    def next_skip_at(self, num_skipped: int) -> float:
+        return (num_skipped + 1) * self.block_size + 1
 
     def describe(self) -> str:
         return f"mamba(state={self.state_bytes}B)"
