@@ -1,0 +1,53 @@
+"""Small builders shared by the KV cache tests."""
+from __future__ import annotations
+
+from distengine.kv_cache.manager import KVCacheManager
+from distengine.kv_cache.model_config import CHUNKED, FULL, MAMBA, SLIDING, LayerKV, MambaShape, ModelKVConfig
+from distengine.kv_cache.plan import KVCachePlan, make_plan
+from distengine.request import Request
+
+
+def model(*kinds: tuple[str, int], window: int = 32, chunk: int = 64, max_len: int = 1 << 20,
+          kv_heads: int = 2, head_dim: int = 8, mamba: MambaShape | None = None) -> ModelKVConfig:
+    layers, i = [], 0
+    for kind, count in kinds:
+        for _ in range(count):
+            layers.append(LayerKV(f"model.layers.{i}", kind, kv_heads if kind != MAMBA else 0,
+                                  head_dim if kind != MAMBA else 0, window=window if kind == SLIDING else 0,
+                                  chunk=chunk if kind == CHUNKED else 0,
+                                  mamba=(mamba or MambaShape(1, 16, 4, 4)) if kind == MAMBA else None))
+            i += 1
+    return ModelKVConfig("test", "Test", tuple(layers), 2, max_len)
+
+
+def plan_of(*kinds, block_size: int = 16, **kw) -> KVCachePlan:
+    group_size = kw.pop("group_size", None)
+    return make_plan(model(*kinds, **kw), block_size=block_size, group_size=group_size)
+
+
+def manager(plan: KVCachePlan, num_blocks: int = 100, caching: bool = True) -> KVCacheManager:
+    return KVCacheManager(plan, num_blocks, enable_caching=caching)
+
+
+def admit(mgr: KVCacheManager, req: Request, num_new: int | None = None):
+    """Prefix lookup + allocation of the rest of the prompt (or `num_new` tokens), as the
+    scheduler does; marks the tokens computed when it succeeds."""
+    blocks, hit = mgr.get_computed_blocks(req)
+    n = req.num_tokens - hit if num_new is None else num_new
+    new = mgr.allocate_slots(req, n, hit, blocks)
+    if new is not None:
+        req.num_computed_tokens = hit + n
+    return new, hit
+
+
+def decode(mgr: KVCacheManager, req: Request, token: int = 7):
+    req.append_output_token(token)
+    new = mgr.allocate_slots(req, 1)
+    if new is not None:
+        req.num_computed_tokens += 1
+    return new
+
+
+def held(mgr: KVCacheManager, request_id: str) -> list[int]:
+    """Real blocks per group of a request's tables."""
+    return [sum(1 for b in t if b) for t in mgr.get_block_ids(request_id)]
