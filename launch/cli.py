@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"distengine: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into `head` and the like
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

@@ -59,7 +59,8 @@ def run(args) -> int:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--config", required=True, help="a config.json, a folder holding one, or a built-in name")
+    p.add_argument("--config", default="gemma-3-27b",
+                   help="a config.json, a folder holding one, or a built-in name (default: gemma-3-27b)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (KV heads per rank)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None, help="default: the config's max_position_embeddings")

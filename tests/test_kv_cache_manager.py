@@ -308,3 +308,17 @@ def test_usage_and_decode_fast_path_agree_with_slow_path():
     # 70 tokens; the last allocation was for position 69, which reads 62..69: blocks 15-17.
     assert held(mgr, "a") == [18, 3, 3]
     assert 0 < mgr.usage < 1
+
+
+def test_fresh_blocks_are_used_before_any_cached_block_is_evicted():
+    plan = _sliding_groups_model()
+    mgr = manager(plan, 400)
+    a = Request("a", list(range(40)))
+    admit(mgr, a)
+    mgr.allocate_slots(a, 0)  # a's out-of-window blocks: free, cached, in the evict-first band
+    skipped = [b for b in mgr.pool.free_queue if b.block_hash is not None]
+    assert skipped
+    admit(mgr, Request("b", [999] * 40))  # plenty of never-used blocks left
+    assert all(b.block_hash is not None for b in skipped)
+    _, hit = mgr.get_computed_blocks(Request("c", list(range(40)) + [1]))
+    assert hit == 40

@@ -47,8 +47,9 @@ class FreeBlockQueue:
         self.mid.next, self.tail.prev = self.tail, self.mid
         self._band_end = (self.mid, self.tail)
         self.num_free_blocks = 0
+        # Never-used blocks go first, ahead of every block that still holds a cached hash.
         for block in blocks:
-            self.append(block, NORMAL)
+            self.append(block, EVICT_FIRST)
 
     def popleft(self) -> KVCacheBlock:
         block = self.head.next

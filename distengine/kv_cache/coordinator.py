@@ -17,6 +17,7 @@ KVCacheBlocks = tuple[list[KVCacheBlock], ...]
 class KVCacheCoordinator:
     def __init__(self, group_specs: Sequence[KVCacheSpec], num_blocks: int, enable_caching: bool) -> None:
         self.num_groups = len(group_specs)
+        self.block_size = group_specs[0].block_size  # one block size across groups (the plan's)
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, self.num_groups, enable_caching)
         by_spec: dict[KVCacheSpec, list[int]] = {}
@@ -54,16 +55,12 @@ class KVCacheCoordinator:
             for m in stale:
                 found[id(m)], answered[id(m)] = m.find_longest_cache_hit(block_hashes, hit)
                 hit = min(hit, answered[id(m)])
-        num_blocks = hit // self.pool_block_size if self.managers else 0
+        num_blocks = hit // self.block_size
         out: list[list[KVCacheBlock]] = [[] for _ in range(self.num_groups)]
         for m in self.full_managers + self.other_cached_managers:
             for group_id, blocks in zip(m.group_ids, found[id(m)]):
                 out[group_id] = blocks[:num_blocks]
         return tuple(out), hit
-
-    @property
-    def pool_block_size(self) -> int:
-        return self.managers[0].block_size
 
     def allocate_slots(self, request: Request, num_computed: int, num_tokens: int,
                        new_computed: KVCacheBlocks | None) -> tuple[list[int], ...] | None:
