@@ -10,7 +10,7 @@ lookup, until it is popped for reuse.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 
 class KVCacheBlock:
@@ -143,14 +143,23 @@ class BlockPool:
                 else:
                     queue.append(block, band)
 
+    def cache_blocks(self, group_id: int, table: list[KVCacheBlock], block_hashes: Sequence[int],
+                     start: int, stop: int) -> None:
+        """Register table[i] under block_hashes[i] for i in [start, stop); null entries and
+        blocks registered already are passed over."""
+        by_hash, null = self.cached[group_id], self.null_block
+        for i in range(start, stop):
+            block = table[i]
+            if block is not null and block.block_hash is None:
+                h = block_hashes[i]
+                # Two requests can compute the same block concurrently: the first stays cached,
+                # the other is simply not findable (and recycled first when freed).
+                if h not in by_hash:
+                    by_hash[h] = block
+                    block.block_hash, block.group_id = h, group_id
+
     def cache_block(self, block: KVCacheBlock, block_hash: int, group_id: int) -> None:
-        table = self.cached[group_id]
-        # Two requests can compute the same block concurrently; the first one stays cached and
-        # the other block is simply not findable (it is recycled first when freed).
-        if block_hash not in table:
-            table[block_hash] = block
-            block.block_hash = block_hash
-            block.group_id = group_id
+        self.cache_blocks(group_id, [block], [block_hash], 0, 1)
 
     def get_cached_blocks(self, block_hash: int, group_ids: list[int]) -> list[KVCacheBlock] | None:
         out = []

@@ -29,8 +29,6 @@ class KVCacheCoordinator:
         self.full_managers = [m for m in self.managers if isinstance(m, FullAttentionManager)]
         self.other_cached_managers = [m for m in self.managers
                                       if not isinstance(m, FullAttentionManager) and m.spec.cacheable]
-        self.deferred_cache_managers = [m for m in self.managers
-                                        if enable_caching and not m.cache_ahead and m.spec.cacheable]
         self.empty_blocks: KVCacheBlocks = tuple([] for _ in range(self.num_groups))
         # Returned when an allocation appends nothing: shared, never to be mutated.
         self.nothing_appended: tuple[list[int], ...] = tuple([] for _ in range(self.num_groups))
@@ -68,8 +66,10 @@ class KVCacheCoordinator:
         managers = self.managers
         if new_computed is not None and not any(new_computed):
             new_computed = None
-        if self.deferred_cache_managers:
-            for m in self.deferred_cache_managers:
+        if self.enable_caching:
+            # Computed blocks not registered yet: Mamba states, and attention blocks whose
+            # registration was deferred (see quiet_limits).
+            for m in self.managers:
                 m.cache_blocks(request.request_id, request.block_hashes, request.num_computed_tokens)
         need = 0
         for m in managers:
@@ -94,8 +94,10 @@ class KVCacheCoordinator:
                 m.cache_blocks(request.request_id, request.block_hashes, num_tokens)
 
     def free(self, request: Request) -> None:
-        for m in self.deferred_cache_managers:
-            m.cache_blocks(request.request_id, request.block_hashes, request.num_computed_tokens)
+        # Full blocks whose registration was deferred to the next allocation (see quiet_limits).
+        if self.enable_caching:
+            for m in self.managers:
+                m.cache_blocks(request.request_id, request.block_hashes, request.num_computed_tokens)
         for m in self.managers:
             m.free(request.request_id)
 

@@ -159,12 +159,8 @@ class SingleTypeKVCacheManager:
         start = req.num_cached
         if num_full <= start:
             return
-        null, cache = self.null_block, self.pool.cache_block
         for g, table in zip(self.group_ids, req.tables):
-            for i in range(start, min(num_full, len(table))):
-                block = table[i]
-                if block is not null and block.block_hash is None:
-                    cache(block, block_hashes[i], g)
+            self.pool.cache_blocks(g, table, block_hashes, start, min(num_full, len(table)))
         req.num_cached = num_full
 
     def free(self, request_id: str) -> None:
@@ -176,18 +172,20 @@ class SingleTypeKVCacheManager:
             self.pool.free_blocks(reversed(table), NORMAL)
 
     def quiet_limits(self, request_id: str) -> tuple[float, float]:
-        """(num_tokens, num_computed) bounds within which an allocation for this request would
-        change nothing here: no new block, no skipped block, no block to register."""
+        """(num_tokens, num_computed) bounds within which an allocation for this request may do
+        nothing here.
+
+        Only a new block is never deferred. Dropping blocks that left the window and
+        registering a block that just became full wait for the next block boundary (at most a
+        block late, and `free` registers what is left): one slow allocation per block of
+        decoding instead of two or three.
+        """
         req = self.requests[request_id]
         bs = self.block_size
-        tokens = len(req.tables[0]) * bs
         computed = self.spec.next_skip_at(req.num_skipped) - 1
         if self.pool.enable_caching and self.spec.cacheable:
-            if self.cache_ahead:
-                tokens = min(tokens, (req.num_cached + 1) * bs - 1)
-            else:
-                computed = min(computed, (req.num_cached + 1) * bs - 1)
-        return tokens, computed
+            computed = min(computed, (req.num_cached + 1) * bs - 1)
+        return len(req.tables[0]) * bs, computed + bs - 1
 
     def block_ids(self, request_id: str) -> list[list[int]]:
         req = self.requests.get(request_id)
