@@ -124,7 +124,8 @@ def simulate(plan: KVCachePlan, num_blocks: int, trace: list[TraceRequest], layo
     `make_manager(plan, num_blocks)` returns anything with KVCacheManager's methods used here
     (get_computed_blocks, allocate_slots, free, num_free_blocks, usage): ours, or a reference."""
     mgr = make_manager(plan, num_blocks)
-    res = SimResult(layout, plan.num_slots, len(plan.groups), num_blocks)
+    # A reference manager groups the layers its own way: take its figures where it has them.
+    res = SimResult(layout, getattr(mgr, "group_size", plan.num_slots), mgr.num_groups, num_blocks)
     children: dict[int, list[TraceRequest]] = {}
     arrivals: dict[int, list[TraceRequest]] = {}
     for t in trace:
@@ -223,18 +224,24 @@ def layout_plan(layout: str) -> KVCachePlan:
     return make_plan(parse_model_config(cfg, name))
 
 
-def run_layout(layout: str, trace: list[TraceRequest], num_blocks_vllm: int) -> dict:
+def run_layout(layout: str, trace: list[TraceRequest], num_blocks_vllm: int, make_manager=KVCacheManager,
+               same_memory: bool = True) -> dict:
+    """Both passes over the trace for one layout. With `same_memory`, the pool of `num_blocks_vllm`
+    blocks of vLLM's layout is converted to blocks of the plan's layout."""
     plan = layout_plan(layout)
-    num_blocks = num_blocks_vllm * plan.baseline.group_size // plan.num_slots
-    timed_calls = simulate(plan, num_blocks, trace, layout, time_calls=True)
-    timed_steps = simulate(plan, num_blocks, trace, layout, time_calls=False)
+    num_blocks = num_blocks_vllm * plan.baseline.group_size // plan.num_slots if same_memory else num_blocks_vllm
+    timed_calls = simulate(plan, num_blocks, trace, layout, time_calls=True, make_manager=make_manager)
+    timed_steps = simulate(plan, num_blocks, trace, layout, time_calls=False, make_manager=make_manager)
     a, b = timed_calls.summary(), timed_steps.summary()
     for key in ("hit_tokens", "peak_blocks", "preemptions", "steps"):
         assert a[key] == b[key], f"the two passes disagree on {key}: {a[key]} != {b[key]}"
     a["us_per_step"] = b["us_per_step"]
-    a["pool_layer_pages"] = num_blocks * plan.num_slots
-    a["vllm_group_size"] = plan.baseline.group_size
+    a["pool_layer_pages"] = num_blocks * a["group_size"]
     return a
+
+
+COLUMNS = ["prompt_tokens", "hit_tokens", "hit_rate", "peak_blocks", "preemptions",
+           "us_per_allocate_prompt", "us_per_allocate_decode", "us_per_step"]
 
 
 def run(args) -> int:
@@ -243,17 +250,28 @@ def run(args) -> int:
         save_trace(trace, args.save_trace)
     layouts = [args.layout] if args.layout else list(LAYOUTS)
     results = {layout: run_layout(layout, trace, args.num_blocks) for layout in layouts}
+    if args.reference == "vllm":
+        from launch.vllm_reference import make_vllm_manager
+        for layout in layouts:
+            results[f"vllm:{layout}"] = run_layout(layout, trace, args.num_blocks, make_vllm_manager,
+                                                   same_memory=False)
     if args.json:
         print(json.dumps(results, indent=2))
         return 0
     print(f"trace: {len(trace)} requests, {sum(len(t.prompt) for t in trace):,} prompt tokens, "
           f"{sum(1 for t in trace if t.parent is not None)} follow-ups")
-    cols = ["prompt_tokens", "hit_tokens", "hit_rate", "peak_blocks", "preemptions",
-            "us_per_allocate_prompt", "us_per_allocate_decode", "us_per_step"]
-    print(f"{'layout':12s} {'groups':>11s} {'blocks':>7s} " + " ".join(f"{c:>22s}" for c in cols))
-    for layout, r in results.items():
-        print(f"{layout:12s} {r['num_groups']:3d} x {r['group_size']:2d} sl {r['num_blocks']:7d} "
-              + " ".join(f"{r[c]:>22}" for c in cols))
+    print(f"{'manager:layout':20s} {'groups x slots':>14s} {'blocks':>7s} " + " ".join(f"{c:>12.12s}" for c in COLUMNS))
+    for name, r in results.items():
+        label = name if name.startswith("vllm:") else f"ours:{name}"
+        print(f"{label:20s} {r['num_groups']:6d} x {r['group_size']:5d} {r['num_blocks']:7d} "
+              + " ".join(f"{r[c]:>12}" for c in COLUMNS))
+    for layout in layouts:
+        ref = results.get(f"vllm:{layout}")
+        if ref:
+            ours = results[layout]
+            print(f"{layout}: hit tokens {ours['hit_tokens'] / max(ref['hit_tokens'], 1):.3f}x vLLM's; "
+                  f"decode allocate {ref['us_per_allocate_decode'] / ours['us_per_allocate_decode']:.1f}x "
+                  f"faster; step {ref['us_per_step'] / ours['us_per_step']:.1f}x faster")
     return 0
 
 
@@ -265,4 +283,7 @@ def add_arguments(p) -> None:
     p.add_argument("--requests", type=int, default=600, help="requests in the generated trace")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-trace", help="write the trace used as JSON")
+    p.add_argument("--reference", choices=["vllm"], default=None,
+                   help="also drive vLLM's own manager on the same trace (needs vllm installed: "
+                        "launch/vllm_reference.py says how)")
     p.add_argument("--json", action="store_true")

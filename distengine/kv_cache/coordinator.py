@@ -78,9 +78,14 @@ class KVCacheCoordinator:
         if need > self.pool.free_queue.num_free_blocks:
             return None
         appended: list[list[int]] | None = None
+        # Every group takes its prefix-hit blocks and frees its skipped ones before any group
+        # pops a new block: otherwise a pop may evict another group's free hit block, or find
+        # the pool short of blocks that `need` counted as freed.
         for m in managers:
             sub = [new_computed[g] for g in m.group_ids] if new_computed else None
-            rows = m.allocate(request, num_computed, num_tokens, sub)
+            m.take_hits_and_skip(request, num_computed, sub)
+        for m in managers:
+            rows = m.allocate_new(request, num_computed, num_tokens)
             if rows is not None:
                 if appended is None:
                     appended = [[] for _ in range(self.num_groups)]

@@ -66,7 +66,7 @@ class SingleTypeKVCacheManager:
 
     def num_blocks_to_allocate(self, request: Request, num_computed: int, num_tokens: int,
                                new_computed: GroupBlocks | None) -> int:
-        """Net blocks taken from the free pool by `allocate`: new ones, plus prefix-hit blocks
+        """Net blocks taken from the free pool by an allocation: new ones, plus prefix-hit blocks
         that are free now, minus the blocks that skipping out-of-window entries will free."""
         req = self.requests.get(request.request_id)
         num_entries = len(req.tables[0]) if req is not None else 0
@@ -81,10 +81,11 @@ class SingleTypeKVCacheManager:
                        if b.ref_cnt == 1 and b is not self.null_block)
         return net
 
-    def allocate(self, request: Request, num_computed: int, num_tokens: int,
-                 new_computed: GroupBlocks | None) -> list[list[int]] | None:
-        """Take the prefix-hit blocks, free skipped ones, append new blocks; returns the entries
-        appended to each group's table (block ids, null = 0), or None when nothing was appended."""
+    def take_hits_and_skip(self, request: Request, num_computed: int, new_computed: GroupBlocks | None) -> None:
+        """Allocation, first phase (pops no block): take the prefix-hit blocks, free the blocks
+        no longer read. The coordinator runs it for every manager before any `allocate_new`: a
+        block popped for one group must not be a free prefix-hit block of another group, nor be
+        counted on before another group frees its skipped blocks."""
         req = self.requests.get(request.request_id)
         if req is None:
             req = self.requests[request.request_id] = RequestBlocks(self.num_groups)
@@ -93,7 +94,11 @@ class SingleTypeKVCacheManager:
         elif new_computed and new_computed[0]:
             raise ValueError(f"request {request.request_id}: prefix-hit blocks are only taken at admission")
         self._skip(req, num_computed)
-        return self._append_new(request, req, num_computed, num_tokens)
+
+    def allocate_new(self, request: Request, num_computed: int, num_tokens: int) -> list[list[int]] | None:
+        """Allocation, second phase: pop and append the new blocks; returns the entries appended
+        to each group's table (block ids, null = 0), or None when nothing was appended."""
+        return self._append_new(request, self.requests[request.request_id], num_computed, num_tokens)
 
     def _save_hit(self, req: RequestBlocks, new_computed: GroupBlocks) -> None:
         null = self.null_block
@@ -282,6 +287,16 @@ class MambaManager(SingleTypeKVCacheManager):
         out = [boundary] if boundary != last and (boundary + 1) * bs > num_computed else []
         out.append(last)
         return [i for i in out if i >= num_entries]
+
+    def allocate_new(self, request, num_computed, num_tokens):
+        bs, req = self.block_size, self.requests[request.request_id]
+        running = (num_computed - 1) // bs
+        if num_computed % bs and num_tokens // bs - 1 > running:
+            # The running page holds the state after num_computed tokens, not the state at the
+            # end of its block, and this step writes that boundary nowhere (it is not the last
+            # one in the step): the page must never be registered under its block's hash.
+            req.num_cached = max(req.num_cached, running + 1)
+        return super().allocate_new(request, num_computed, num_tokens)
 
     def find_longest_cache_hit(self, block_hashes, max_length):
         num = min(len(block_hashes), max_length // self.block_size)
