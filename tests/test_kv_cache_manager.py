@@ -116,6 +116,14 @@ def _sliding_groups_model():
     return plan_of((FULL, 2), (SLIDING, 4), window=8, block_size=4, group_size=2)
 
 
+def _evict(pool: BlockPool, group_id: int, block_hash: int) -> None:
+    """What popping a free cached block for reuse does to it."""
+    block = pool.cached[group_id].pop(block_hash)
+    pool.free_queue.remove(block)
+    block.block_hash = None
+    pool.free_queue.appendleft(block)
+
+
 def test_hybrid_hit_is_the_intersection_and_shrinks_by_each_rule():
     plan = _sliding_groups_model()
     assert [g.spec.kind for g in plan.groups] == [FULL, SLIDING, SLIDING]
@@ -131,20 +139,12 @@ def test_hybrid_hit_is_the_intersection_and_shrinks_by_each_rule():
     hashes = probe.block_hashes
     # Evict sliding group 1's block 14 (tokens 56-59): the window (7 tokens) before 64 needs
     # blocks 14 and 15, so the sliding rule finds the next run of 2 cached blocks, ending at 14.
-    blk = mgr.pool.cached[1][hashes[14]]
-    mgr.pool.free_queue.remove(blk)
-    del mgr.pool.cached[1][hashes[14]]
-    blk.block_hash = None
-    mgr.pool.free_queue.appendleft(blk)
+    _evict(mgr.pool, 1, hashes[14])
     _, hit = mgr.get_computed_blocks(Request("q", list(range(64)) + [1000]))
     assert hit == 56  # blocks 12, 13 end the hit
     # Evict the full group's block 5: a full hit stops at the first missing block, and the
     # sliding groups must then hit at 20 tokens (blocks 3, 4 cached): the intersection.
-    blk = mgr.pool.cached[0][hashes[5]]
-    mgr.pool.free_queue.remove(blk)
-    del mgr.pool.cached[0][hashes[5]]
-    blk.block_hash = None
-    mgr.pool.free_queue.appendleft(blk)
+    _evict(mgr.pool, 0, hashes[5])
     blocks, hit = mgr.get_computed_blocks(Request("r", list(range(64)) + [1000]))
     assert hit == 20
     assert [len(b) for b in blocks] == [5, 5, 5]
