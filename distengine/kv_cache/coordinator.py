@@ -69,11 +69,11 @@ class KVCacheCoordinator:
         if self.enable_caching:
             # Computed blocks not registered yet: Mamba states, and attention blocks whose
             # registration was deferred (see quiet_limits).
-            for m in self.managers:
+            for m in managers:
                 m.cache_blocks(request.request_id, request.block_hashes, request.num_computed_tokens)
+        hits = [[new_computed[g] for g in m.group_ids] if new_computed else None for m in managers]
         need = 0
-        for m in managers:
-            sub = [new_computed[g] for g in m.group_ids] if new_computed else None
+        for m, sub in zip(managers, hits):
             need += m.num_blocks_to_allocate(request, num_computed, num_tokens, sub)
         if need > self.pool.free_queue.num_free_blocks:
             return None
@@ -81,8 +81,7 @@ class KVCacheCoordinator:
         # Every group takes its prefix-hit blocks and frees its skipped ones before any group
         # pops a new block: otherwise a pop may evict another group's free hit block, or find
         # the pool short of blocks that `need` counted as freed.
-        for m in managers:
-            sub = [new_computed[g] for g in m.group_ids] if new_computed else None
+        for m, sub in zip(managers, hits):
             m.take_hits_and_skip(request, num_computed, sub)
         for m in managers:
             rows = m.allocate_new(request, num_computed, num_tokens)
