@@ -1,0 +1,303 @@
+"""Paged attention over the shared group buffers: one launch for a mixed batch.
+
+One program computes BLOCK_Q query tokens of one sequence for all the query heads that share one
+KV head (GQA packing: BLOCK_M = BLOCK_Q x heads-per-KV-head rows), so both products are `tl.dot`
+and every K/V tile is read once for all of them. Keys are walked in tiles of TILE_N positions
+through the sequence's block table, from the first position any of the program's queries reads
+(the sliding window's or the local chunk's start: the cost grows with the window, not the
+context) to the last one (causal). Loads outside that range are masked, so the null block and
+blocks that left the window are never read.
+
+Decode batches too small to fill the GPU split each sequence's key range into NUM_SPLITS parts
+(flash-decoding); a merge kernel combines the partial softmax states. The grid depends only on
+(num_tokens, num_seqs, num_splits), never on data: a decode step can be captured in a CUDA graph
+when the caller fixes `num_splits` (or passes a fixed bound as `max_seq_len`).
+
+Options: sliding window (a query at p reads p-W+1..p), chunked local attention (keys of the
+query's chunk p // C), logit soft-capping, a scale (and optional per-head factors), attention
+sinks (a per-head logit in the softmax denominator, gpt-oss). fp32 accumulation; bf16/fp16 in
+and out.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, num_seqs, pid_q, BLOCK_Q: tl.constexpr):
+    """Sequence of global q-block `pid_q`: the q blocks of sequence s start at
+    query_start_loc[s] // BLOCK_Q + s (an upper bound that keeps the grid data-independent)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if start <= pid_q:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr, part_acc_ptr, part_ml_ptr,
+    q_ptr, k_ptr, v_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr, sinks_ptr, head_scale_ptr,
+    scale, softcap, num_seqs,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_bt, stride_pt, stride_ph, stride_ps,
+    GQA: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr, CHUNK: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_HEAD_SCALE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    pid_q = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = _find_seq(query_start_loc_ptr, num_seqs, pid_q, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_block = pid_q - (q_start // BLOCK_Q + seq)
+    if q_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_block * BLOCK_Q + rows // GQA  # token index inside the sequence's query
+    head = kv_head * GQA + rows % GQA
+    row_ok = (rows < BLOCK_Q * GQA) & (tok < q_len)
+    pos = context + tok  # absolute position of each row's query
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+
+    q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    qk_scale = scale * 1.4426950408889634  # softmax in base 2
+    if HAS_HEAD_SCALE:
+        row_scale = tl.load(head_scale_ptr + head, mask=row_ok, other=1.0).to(tl.float32)
+
+    # Key range read by this program's rows.
+    first_pos = context + q_block * BLOCK_Q
+    last_pos = tl.minimum(context + q_block * BLOCK_Q + BLOCK_Q, seq_len) - 1
+    kv_lo = 0
+    if SLIDING_WINDOW > 0:
+        kv_lo = tl.maximum(first_pos - SLIDING_WINDOW + 1, 0)
+    if CHUNK > 0:
+        kv_lo = (first_pos // CHUNK) * CHUNK
+    kv_hi = last_pos + 1
+    tile_lo = kv_lo // TILE_N
+    tile_hi = (kv_hi + TILE_N - 1) // TILE_N
+    if NUM_SPLITS > 1:
+        per_split = (tile_hi - tile_lo + NUM_SPLITS - 1) // NUM_SPLITS
+        tile_lo = tile_lo + split * per_split
+        tile_hi = tl.minimum(tile_hi, tile_lo + per_split)
+
+    if HAS_SINKS and split == 0:
+        m_i = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        l_i = tl.where(row_ok, 1.0, 0.0)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+
+    bt_row = block_table_ptr + seq * stride_bt
+    for tile in range(tile_lo, tile_hi):
+        offs = tile * TILE_N + tl.arange(0, TILE_N)
+        key_ok = (offs >= kv_lo) & (offs < kv_hi)
+        block = tl.load(bt_row + offs // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+        slot = offs % BLOCK_SIZE
+        k = tl.load(k_ptr + block[None, :] * stride_kb + slot[None, :] * stride_kt + kv_head * stride_kh
+                    + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+        s = tl.dot(q, k)  # [BLOCK_M, TILE_N], fp32
+        if USE_SOFTCAP:
+            x = s * (scale / softcap)
+            if HAS_HEAD_SCALE:
+                x = x * row_scale[:, None]
+            # softcap * tanh(x), tanh through exp2 (stable for both signs)
+            e = tl.exp2(-2.0 * 1.4426950408889634 * tl.abs(x))
+            t = (1.0 - e) / (1.0 + e)
+            s = tl.where(x < 0, -t, t) * (softcap * 1.4426950408889634)
+        else:
+            s = s * qk_scale
+            if HAS_HEAD_SCALE:
+                s = s * row_scale[:, None]
+        visible = key_ok[None, :] & (offs[None, :] <= pos[:, None])
+        if SLIDING_WINDOW > 0:
+            visible = visible & (offs[None, :] > pos[:, None] - SLIDING_WINDOW)
+        if CHUNK > 0:
+            visible = visible & (offs[None, :] >= (pos[:, None] // CHUNK) * CHUNK)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vt + kv_head * stride_vh
+                    + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+        if DOT_F32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    tok_global = q_start + tok
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + tok_global[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    else:
+        base = tok_global * stride_pt + head * stride_ph + split * stride_ps
+        tl.store(part_acc_ptr + base[:, None] * HEAD_DIM_PAD + dims[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_ml_ptr + base * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + base * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh, stride_pt, stride_ph,
+                         stride_ps, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    """out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M), per (token, head)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    splits = tl.arange(0, NUM_SPLITS)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    base = t * stride_pt + h * stride_ph + splits * stride_ps
+    m = tl.load(part_ml_ptr + base * 2)
+    l_s = tl.load(part_ml_ptr + base * 2 + 1)
+    m_max = tl.max(m, 0)
+    w = tl.exp2(m - m_max)  # empty splits have m = -inf: weight 0
+    denom = tl.sum(l_s * w, 0)
+    acc = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM_PAD + dims[None, :])
+    out = tl.sum(acc * w[:, None], 0) / denom
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+def _interpreter_bf16(q: torch.Tensor) -> bool:
+    """Triton 3.9's CPU interpreter computes bf16 `tl.dot` wrongly (a 16x16 product off by
+    ~1e10), fp16 and fp32 right: under the interpreter, bf16 products run in fp32. On a GPU the
+    bf16 path is the one compiled and tested."""
+    return os.environ.get("TRITON_INTERPRET") == "1" and q.dtype == torch.bfloat16
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (max(1, n) - 1).bit_length()
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
+                      tile_n: int = 64, max_splits: int = 32) -> int:
+    """Splits of the key range for a decode batch: enough programs for ~2 waves on the GPU,
+    each split keeping at least 4 key tiles of work. 1 = no split."""
+    programs = num_seqs * num_kv_heads
+    if programs >= num_sms:
+        return 1
+    want = triton.cdiv(2 * num_sms, programs)
+    by_len = max(1, max_seq_len // (4 * tile_n))
+    return _next_pow2(min(want, by_len, max_splits)) if min(want, by_len) > 1 else 1
+
+
+def default_config(max_query_len: int, head_dim: int, gqa: int, block_size: int) -> dict:
+    """Tile sizes and launch options (measured on an H200; see the README's kernel table)."""
+    if max_query_len == 1:
+        block_m = max(16, _next_pow2(gqa))
+        return {"BLOCK_M": block_m, "TILE_N": max(block_size, 64), "num_warps": 4, "num_stages": 3}
+    block_m = 128 if head_dim <= 128 else 64
+    block_m = max(block_m, _next_pow2(gqa))
+    return {"BLOCK_M": block_m, "TILE_N": max(block_size, 64), "num_warps": 8 if head_dim >= 128 else 4,
+            "num_stages": 3 if head_dim <= 128 else 2}
+
+
+def paged_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor, max_query_len: int, max_seq_len: int, scale: float,
+    sliding_window: int = 0, chunk_size: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None,
+    head_scale: torch.Tensor | None = None, out: torch.Tensor | None = None, num_splits: int | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Causal attention of `q[num_tokens, Hq, D]` over the paged K/V of `kv_cache[num_blocks, 2,
+    block_size, Hkv, D]`, for a ragged batch (`query_start_loc[num_seqs+1]`, `seq_lens[num_seqs]`
+    = context including the new tokens, whose K/V are already stored). `max_query_len` and
+    `max_seq_len` are host integers (bounds are fine); they pick the tile shape and the splits.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_blocks, two, block_size, num_kv_heads, head_dim_kv = kv_cache.shape
+    if two != 2 or head_dim_kv != head_dim:
+        raise ValueError(f"kv_cache must be [num_blocks, 2, block_size, {num_kv_heads}, {head_dim}], "
+                         f"got {tuple(kv_cache.shape)}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    if sliding_window and chunk_size:
+        raise ValueError("a layer has a sliding window or a local chunk, not both")
+    if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+        raise ValueError("q and kv_cache need a contiguous last dimension")
+    gqa = num_q_heads // num_kv_heads
+    num_seqs = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(q)
+    if num_tokens == 0:
+        return out
+    cfg = config or default_config(max_query_len, head_dim, gqa, block_size)
+    block_m = cfg["BLOCK_M"]
+    block_q = max(1, block_m // gqa)
+    if num_splits is None:
+        num_splits = (choose_num_splits(num_seqs, num_kv_heads, max_seq_len, _num_sms(q.device), cfg["TILE_N"])
+                      if max_query_len == 1 else 1)
+    head_dim_pad = max(16, _next_pow2(head_dim))
+    k_cache, v_cache = kv_cache[:, 0], kv_cache[:, 1]
+    num_q_blocks = num_tokens // block_q + num_seqs
+    if num_splits > 1:
+        part_acc = torch.empty(num_tokens, num_q_heads, num_splits, head_dim_pad, dtype=torch.float32,
+                               device=q.device)
+        part_ml = torch.empty(num_tokens, num_q_heads, num_splits, 2, dtype=torch.float32, device=q.device)
+        pstrides = (num_q_heads * num_splits, num_splits, 1)
+    else:
+        part_acc = part_ml = out  # unused
+        pstrides = (0, 0, 0)
+    dummy = q
+    _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
+        out, part_acc, part_ml, q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
+        sinks if sinks is not None else dummy, head_scale if head_scale is not None else dummy,
+        float(scale), float(softcap) if softcap else 1.0, num_seqs,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0), *pstrides,
+        GQA=gqa, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size, TILE_N=cfg["TILE_N"], SLIDING_WINDOW=int(sliding_window), CHUNK=int(chunk_size),
+        USE_SOFTCAP=bool(softcap), HAS_SINKS=sinks is not None, HAS_HEAD_SCALE=head_scale is not None,
+        NUM_SPLITS=num_splits, DOT_F32=_interpreter_bf16(q), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_q_heads)](
+            out, part_acc, part_ml, out.stride(0), out.stride(1), *pstrides,
+            NUM_SPLITS=num_splits, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, num_warps=4)
+    return out
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
