@@ -8,7 +8,7 @@ from distengine.kv_cache.model_config import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
-    from launch import bench_kvcache, kv_plan
+    from launch import bench_kernels, bench_kvcache, kv_plan
 
     parser = argparse.ArgumentParser(prog="distengine", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -20,6 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     p = bench_sub.add_parser("kvcache", help="drive the KV cache manager like the scheduler does")
     bench_kvcache.add_arguments(p)
     p.set_defaults(func=bench_kvcache.run)
+    p = bench_sub.add_parser("kernels", help="paged attention on a GPU against torch SDPA and the copy bandwidth")
+    bench_kernels.add_arguments(p)
+    p.set_defaults(func=bench_kernels.run)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
