@@ -244,8 +244,8 @@ def run(args) -> int:
         print(f"{r['case']:34s} {r['ms']:8.3f} {r['TFLOP/s']:8.1f} {'':6s} {r['sdpa_ms']:8.3f} "
               f"{r['sdpa_TFLOP/s']:8.1f} {r['vs_sdpa']:7.2f} {'':7s}  {best}")
     for r in results.get("layer_ops", []):
-        print(f"{str(r.get('op')):20s} {str(r.get('shape')):30s} ours {r.get('ours_us', 0):8.1f} us  torch "
-              f"{r.get('torch_us', 0):8.1f} us  {r.get('speedup', 0):5.2f}x")
+        print(f"{r['op']:20s} {r['shape']:28s} ours {r['ours_us']:7.1f} us {r['gbps']:6.0f} GB/s | torch bf16 "
+              f"{r['torch_us']:7.1f} us ({r['speedup']:.2f}x) | fp32 ref {r['ref_us']:7.1f} us")
     return 0
 
 

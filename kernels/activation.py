@@ -1,0 +1,77 @@
+"""Gated MLP activations: `act(x[:, :I]) * x[:, I:]` for x = gate_up_proj output [T, 2I].
+
+Why a Triton kernel: eager torch reads the gate half for the activation, writes it, reads it
+back with the up half for the product (and in fp32 adds upcast/downcast passes); the kernel
+reads each half once and writes the result once. H200, T=4096, I=14336, bf16: 90 us (3.9 TB/s)
+vs 750 us for the fp32 `*_ref` (`kernels.bench_layer_ops`); even idiomatic bf16 torch needs ~2x
+the kernel's traffic. Math is fp32 in both implementations; the
+GELU is the tanh approximation, with tanh written via exp (long-stable across triton versions).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+__all__ = ["silu_and_mul", "silu_and_mul_ref", "gelu_tanh_and_mul", "gelu_tanh_and_mul_ref"]
+
+_SILU, _GELU_TANH = 0, 1
+
+
+@triton.jit
+def _act_and_mul_kernel(x_ptr, out_ptr, inter, sx, so, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < inter
+    a = tl.load(x_ptr + t * sx + cols, mask=m, other=0.0).to(tl.float32)
+    b = tl.load(x_ptr + t * sx + inter + cols, mask=m, other=0.0).to(tl.float32)
+    if ACT == 0:
+        y = a / (1.0 + tl.exp(-a))
+    else:
+        z = 0.7978845608028654 * (a + 0.044715 * a * a * a)  # sqrt(2/pi) * (a + c a^3)
+        th = 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)  # tanh(z), saturates cleanly to +-1
+        y = 0.5 * a * (1.0 + th)
+    tl.store(out_ptr + t * so + cols, (y * b).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def _launch(x: torch.Tensor, act: int) -> torch.Tensor:
+    assert x.dim() == 2 and x.shape[1] % 2 == 0, x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    n, inter = x.shape[0], x.shape[1] // 2
+    out = torch.empty((n, inter), dtype=x.dtype, device=x.device)
+    if n == 0 or inter == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(inter))
+    _act_and_mul_kernel[(n, triton.cdiv(inter, block))](x, out, inter, x.stride(0), out.stride(0),
+                                                        ACT=act, BLOCK=block, num_warps=4)
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] -> new [T, I] tensor = silu(gate) * up."""
+    return _launch(x, _SILU)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] -> new [T, I] tensor = gelu_tanh(gate) * up (Gemma's `gelu_pytorch_tanh`)."""
+    return _launch(x, _GELU_TANH)
+
+
+def _acc(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    acc = torch.promote_types(x.dtype, torch.float32)
+    inter = x.shape[-1] // 2
+    return x[..., :inter].to(acc), x[..., inter:].to(acc)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """Same contract as `silu_and_mul`; fp32 math (fp64 for fp64)."""
+    a, b = _acc(x)
+    return (F.silu(a) * b).to(x.dtype)
+
+
+def gelu_tanh_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """Same contract as `gelu_tanh_and_mul`; fp32 math (fp64 for fp64)."""
+    a, b = _acc(x)
+    return (F.gelu(a, approximate="tanh") * b).to(x.dtype)

@@ -1,0 +1,74 @@
+"""Write the new tokens' K and V into the paged KV cache (vLLM's `reshape_and_cache_flash`).
+
+Layout (kernels/README.md): `kv_cache[num_blocks, 2, block_size, num_kv_heads, head_dim]`, and
+token t goes to block `slot_mapping[t] // block_size`, offset `slot_mapping[t] % block_size`.
+A slot of -1 means the token's KV is already cached (prefix-cache hit) and is not written.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["store_kv", "store_kv_ref"]
+
+
+def _check(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    assert key.dim() == 3 and key.shape == value.shape, (key.shape, value.shape)
+    assert kv_cache.dim() == 5 and kv_cache.shape[1] == 2, kv_cache.shape
+    assert kv_cache.shape[3:] == key.shape[1:], (kv_cache.shape, key.shape)
+    assert slot_mapping.shape == (key.shape[0],), (slot_mapping.shape, key.shape)
+
+
+@triton.jit
+def _store_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr,
+                     num_heads, head_dim, block_size,
+                     sk_t, sk_h, sk_d, sv_t, sv_h, sv_d,
+                     sc_b, sc_kv, sc_s, sc_h, sc_d,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:  # prefix-cache hit: the cache already holds this token's KV
+        return
+    blk = slot // block_size
+    off = slot % block_size
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h[:, None] < num_heads) & (d[None, :] < head_dim)
+    k = tl.load(key_ptr + t * sk_t + h[:, None] * sk_h + d[None, :] * sk_d, mask=mask)
+    v = tl.load(value_ptr + t * sv_t + h[:, None] * sv_h + d[None, :] * sv_d, mask=mask)
+    # blk is int64, so the block offset cannot overflow on caches larger than 2**31 elements.
+    dst = cache_ptr + blk * sc_b + off * sc_s + h[:, None] * sc_h + d[None, :] * sc_d
+    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + sc_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Writes in place into `kv_cache`, which may be a strided view of a group buffer (its
+    strides are passed to the kernel, nothing is copied). One program per (token, head tile):
+    the tile is capped at ~2K elements so wide heads x many heads still fit in registers."""
+    _check(key, value, kv_cache, slot_mapping)
+    num_tokens, num_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    block_d = triton.next_power_of_2(head_dim)
+    block_h = min(triton.next_power_of_2(num_heads), max(1, 2048 // block_d))
+    grid = (num_tokens, triton.cdiv(num_heads, block_h))
+    _store_kv_kernel[grid](key, value, kv_cache, slot_mapping,
+                           num_heads, head_dim, kv_cache.shape[2],
+                           *key.stride(), *value.stride(), *kv_cache.stride(),
+                           BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4 if block_h * block_d >= 1024 else 2)
+
+
+def store_kv_ref(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    """Same contract as `store_kv`, as one index_put per K and V (what runs on CPU)."""
+    _check(key, value, kv_cache, slot_mapping)
+    block_size = kv_cache.shape[2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blk, off = slots // block_size, slots % block_size
+    # kv_cache[:, i] is a view, so the index_put writes through to the (possibly strided) cache.
+    kv_cache[:, 0][blk, off] = key[keep].to(kv_cache.dtype)
+    kv_cache[:, 1][blk, off] = value[keep].to(kv_cache.dtype)

@@ -1,0 +1,251 @@
+"""Layer ops (KV store, RMSNorm, rotary, gated activations): Triton kernels and their torch
+references against a float64 evaluation of the reference, on fresh random inputs, with outputs
+poisoned so unwritten elements fail. Kernels run under TRITON_INTERPRET=1 without a GPU
+(tests/conftest.py), so shapes are small."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels.activation import gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref
+from kernels.kv_store import store_kv, store_kv_ref
+from kernels.layernorm import rms_norm, rms_norm_ref
+from kernels.rotary import make_rope_cache, rope_inv_freq, rotary_embedding, rotary_embedding_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+# ||out - ref|| / ||ref|| bound per operand dtype (a few ulps of the output dtype)
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all(), "non-finite output (unwritten or poisoned elements)"
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.shape == ref.shape and out.dtype == dtype
+    err = rel_err(out, ref)
+    assert err < TOL[dtype], err
+
+
+def randn(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(*shape, device=DEVICE, dtype=torch.float32).to(dtype)
+
+
+# ----------------------------------------------------------------------------- KV store
+
+def _slots(num_tokens: int, num_blocks: int, block_size: int, n_skip: int) -> torch.Tensor:
+    """Distinct slots in shuffled, non-contiguous blocks (never block 0), `n_skip` of them -1."""
+    blocks = torch.randperm(num_blocks - 1)[: math.ceil(num_tokens / block_size) + 2] + 1
+    cand = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()
+    slots = cand[torch.randperm(cand.numel())[:num_tokens]]
+    slots[torch.randperm(num_tokens)[:n_skip]] = -1
+    return slots.to(DEVICE, torch.int64)
+
+
+@pytest.mark.parametrize("impl", [store_kv, store_kv_ref], ids=["triton", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim,num_heads,strided", [(64, 3, False), (128, 2, True), (256, 1, True), (96, 2, False), (256, 10, True)])
+def test_store_kv(impl, dtype, head_dim, num_heads, strided):
+    num_tokens, block_size, num_blocks = 13, 4, 12
+    key, value = randn(num_tokens, num_heads, head_dim, dtype=dtype), randn(num_tokens, num_heads, head_dim, dtype=dtype)
+    shape = (num_blocks, 2, block_size, num_heads, head_dim)
+    if strided:  # a layer's view of a group buffer holding 3 layers: [blocks, layer, 2, B, H, D]
+        buf = torch.full((num_blocks, 3, *shape[1:]), float("nan"), device=DEVICE, dtype=dtype)
+        cache = buf[:, 1]
+        assert not cache.is_contiguous()
+    else:
+        buf = cache = torch.full(shape, float("nan"), device=DEVICE, dtype=dtype)
+    slots = _slots(num_tokens, num_blocks, block_size, n_skip=4)
+    impl(key, value, cache, slots)
+    keep = slots >= 0
+    blk, off = slots[keep] // block_size, slots[keep] % block_size
+    torch.testing.assert_close(cache[blk, 0, off], key[keep], rtol=0, atol=0)
+    torch.testing.assert_close(cache[blk, 1, off], value[keep], rtol=0, atol=0)
+    written = torch.zeros(num_blocks, block_size, dtype=torch.bool, device=DEVICE)
+    written[blk, off] = True
+    assert cache.isnan().all(-1).all(-1).permute(0, 2, 1)[written].logical_not().all()
+    assert cache.permute(0, 2, 1, 3, 4)[~written].isnan().all(), "untouched slot was written"
+    if strided:
+        others = torch.cat([buf[:, 0], buf[:, 2]])
+        assert others.isnan().all(), "wrote outside the layer's view"
+
+
+# ----------------------------------------------------------------------------- RMSNorm
+
+@pytest.mark.parametrize("impl", [rms_norm, rms_norm_ref], ids=["triton", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hidden", [64, 200, 1024])
+@pytest.mark.parametrize("fused_add", [False, True], ids=["plain", "add"])
+@pytest.mark.parametrize("gemma", [False, True], ids=["w", "1+w"])
+def test_rms_norm(impl, dtype, hidden, fused_add, gemma):
+    num_tokens, eps = 9, 1e-6
+    x = randn(num_tokens, hidden, dtype=dtype) * 3
+    weight = (1 + 0.2 * torch.randn(hidden, device=DEVICE)).to(dtype)
+    residual = randn(num_tokens, hidden, dtype=dtype) if fused_add else None
+    x_in, res_in = x.clone(), None if residual is None else residual.clone()
+    got = impl(x, weight, eps, residual=residual, gemma=gemma)
+    ref = rms_norm_ref(x.double(), weight.double(), eps, residual=None if residual is None else residual.double(),
+                       gemma=gemma)
+    assert torch.equal(x, x_in) and (residual is None or torch.equal(residual, res_in)), "inputs modified"
+    if fused_add:
+        check(got[1], ref[1], dtype)
+        check(got[0], ref[0], dtype)
+    else:
+        check(got, ref, dtype)
+
+
+def test_rms_norm_leading_dims_and_strided_rows():
+    x = randn(5, 3, 2 * 128, dtype=torch.bfloat16)[..., :128]  # [5, 3, 128], row stride 256
+    w = randn(128, dtype=torch.bfloat16)
+    check(rms_norm(x, w, 1e-5), rms_norm_ref(x.double(), w.double(), 1e-5), torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- rotary
+
+@pytest.mark.parametrize("impl", [rotary_embedding, rotary_embedding_ref], ids=["triton", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim,rotary_dim,n_q,n_k", [(64, 64, 4, 2), (128, 128, 4, 2), (128, 64, 4, 2), (256, 256, 4, 2),
+                                                        (256, 64, 4, 2), (80, 80, 4, 2), (256, 128, 20, 4)])
+def test_rotary(impl, dtype, head_dim, rotary_dim, n_q, n_k):
+    """(256, 128, 20, 4): several head tiles per token, some with q heads only."""
+    num_tokens, max_pos = 11, 4096
+    # q and k are views of a fused qkv output, as the attention layer hands them over
+    qkv = randn(num_tokens, (n_q + 2 * n_k) * head_dim, dtype=dtype)
+    q = qkv[:, : n_q * head_dim].view(num_tokens, n_q, head_dim)
+    k = qkv[:, n_q * head_dim: (n_q + n_k) * head_dim].view(num_tokens, n_k, head_dim)
+    positions = torch.randint(0, max_pos, (num_tokens,), device=DEVICE)
+    cache = make_rope_cache(rotary_dim, max_pos, 10000.0, None, torch.float32, DEVICE)
+    before = qkv.clone()
+    q_ref, k_ref = rotary_embedding_ref(q.double(), k.double(), positions, cache)
+    q_out, k_out = impl(q, k, positions, cache)
+    assert q_out.data_ptr() == q.data_ptr() and k_out.data_ptr() == k.data_ptr(), "not in place"
+    check(q, q_ref, dtype)
+    check(k, k_ref, dtype)
+    qkv3 = qkv.view(num_tokens, n_q + 2 * n_k, head_dim)
+    b3 = before.view_as(qkv3)
+    assert torch.equal(qkv3[:, : n_q + n_k, rotary_dim:], b3[:, : n_q + n_k, rotary_dim:]), "pass-through changed"
+    assert torch.equal(qkv3[:, n_q + n_k:], b3[:, n_q + n_k:]), "v was touched"
+    assert not torch.equal(qkv3[:, :, :rotary_dim], b3[:, :, :rotary_dim])
+
+
+@pytest.mark.parametrize("impl", [rotary_embedding, rotary_embedding_ref], ids=["triton", "torch"])
+def test_rotary_q_only_and_rotation_property(impl):
+    """k=None is allowed; position 0 is the identity and every (i, i + D/2) pair keeps its norm."""
+    q = randn(7, 3, 128, dtype=torch.float32)
+    cache = make_rope_cache(128, 64, 10000.0)
+    positions = torch.tensor([0, 1, 63, 5, 0, 2, 9], device=DEVICE)
+    q0 = q.clone()
+    impl(q, None, positions, cache.to(DEVICE))
+    torch.testing.assert_close(q[positions == 0], q0[positions == 0])
+    torch.testing.assert_close(q[..., :64] ** 2 + q[..., 64:] ** 2, q0[..., :64] ** 2 + q0[..., 64:] ** 2)
+
+
+# ----------------------------------------------------------------------------- rope caches vs transformers
+
+def _hf_config(head_dim: int, base: float, rope_scaling: dict | None, max_pos: int):
+    from transformers import LlamaConfig
+    params = {"rope_type": "default", **(rope_scaling or {}), "rope_theta": base}
+    try:  # transformers >= 5: rope_parameters carries theta and scaling
+        cfg = LlamaConfig(hidden_size=2 * head_dim, num_attention_heads=2, head_dim=head_dim,
+                          max_position_embeddings=max_pos, rope_parameters=params)
+        assert cfg.rope_parameters["rope_theta"] == base
+    except (TypeError, AssertionError, KeyError):  # older: rope_theta + rope_scaling
+        cfg = LlamaConfig(hidden_size=2 * head_dim, num_attention_heads=2, head_dim=head_dim,
+                          max_position_embeddings=max_pos, rope_theta=base, rope_scaling=rope_scaling)
+    return cfg
+
+
+def _hf_inv_freq(head_dim: int, base: float, rope_scaling: dict | None, max_pos: int):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    cfg = _hf_config(head_dim, base, rope_scaling, max_pos)
+    kind = (rope_scaling or {}).get("rope_type", "default")
+    if kind in ROPE_INIT_FUNCTIONS:
+        inv, scale = ROPE_INIT_FUNCTIONS[kind](cfg, "cpu")
+        return inv, scale
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding  # "default" lives here in v5
+    emb = LlamaRotaryEmbedding(cfg)
+    return emb.inv_freq, emb.attention_scaling
+
+
+ROPE_CASES = {
+    "default": (128, 10000.0, None, 4096),
+    "default_hd64": (64, 1_000_000.0, None, 4096),
+    "linear": (128, 10000.0, {"rope_type": "linear", "factor": 4.0}, 8192),
+    "llama3": (128, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, 131072),
+    "yarn": (128, 10000.0, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096}, 16384),
+    "yarn_attn_factor": (64, 1_000_000.0, {"rope_type": "yarn", "factor": 4.0, "attention_factor": 0.8,
+                                           "beta_fast": 16, "beta_slow": 2,
+                                           "original_max_position_embeddings": 32768}, 131072),
+    "yarn_mscale": (64, 10000.0, {"rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707,
+                                  "original_max_position_embeddings": 4096}, 163840),
+}
+
+
+@pytest.mark.parametrize("case", list(ROPE_CASES))
+def test_rope_cache_matches_transformers(case):
+    head_dim, base, scaling, max_pos = ROPE_CASES[case]
+    hf_inv, hf_scale = _hf_inv_freq(head_dim, base, scaling, max_pos)
+    inv, scale = rope_inv_freq(head_dim, base, scaling, max_pos)
+    torch.testing.assert_close(inv, hf_inv.float(), rtol=1e-6, atol=0)
+    assert scale == pytest.approx(hf_scale, rel=1e-9)
+    n = 2048
+    cache = make_rope_cache(head_dim, n, base, scaling)
+    freqs = torch.outer(torch.arange(n, dtype=torch.float32), hf_inv.float())
+    torch.testing.assert_close(cache, torch.cat([freqs.cos(), freqs.sin()], -1) * hf_scale, rtol=1e-5, atol=1e-6)
+    if scaling is not None:  # scaling actually changed something
+        assert not torch.allclose(cache, make_rope_cache(head_dim, n, base, None))
+
+
+def test_rope_cache_type_key_alias():
+    a = make_rope_cache(64, 16, 10000.0, {"type": "linear", "factor": 2.0})
+    b = make_rope_cache(64, 16, 10000.0, {"rope_type": "linear", "factor": 2.0})
+    assert torch.equal(a, b)
+
+
+def test_gemma3_two_bases_two_caches():
+    """Gemma-3: sliding layers use base 10_000, global layers 1_000_000: two caches."""
+    local = make_rope_cache(64, 256, 10_000.0)
+    glob = make_rope_cache(64, 256, 1_000_000.0)
+    assert not torch.allclose(local, glob)
+    try:
+        from transformers import Gemma3TextConfig
+        from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+        cfg = Gemma3TextConfig(head_dim=64, hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+        emb = Gemma3RotaryEmbedding(cfg)
+        hf = {lt: getattr(emb, f"{lt}_inv_freq") for lt in ("sliding_attention", "full_attention")}
+        bases = {lt: cfg.rope_parameters[lt]["rope_theta"] for lt in hf}
+    except (ImportError, AttributeError, TypeError, KeyError):
+        pytest.skip("this transformers has no per-layer-type Gemma-3 rope")
+    assert bases == {"sliding_attention": 10_000.0, "full_attention": 1_000_000.0}
+    torch.testing.assert_close(rope_inv_freq(64, 10_000.0)[0], hf["sliding_attention"].float(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(rope_inv_freq(64, 1_000_000.0)[0], hf["full_attention"].float(), rtol=1e-6, atol=0)
+
+
+# ----------------------------------------------------------------------------- activations
+
+@pytest.mark.parametrize("impl,ref", [(silu_and_mul, silu_and_mul_ref), (silu_and_mul_ref, silu_and_mul_ref),
+                                      (gelu_tanh_and_mul, gelu_tanh_and_mul_ref),
+                                      (gelu_tanh_and_mul_ref, gelu_tanh_and_mul_ref)],
+                         ids=["silu-triton", "silu-torch", "gelu-triton", "gelu-torch"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("inter", [64, 200, 1536])
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # interpreter (numpy) saturating exp
+def test_act_and_mul(impl, ref, dtype, inter):
+    x = randn(7, 2 * inter, dtype=dtype) * 4  # wide range: exercises exp saturation in both tails
+    x[0, :8] = torch.tensor([-100.0, -30.0, -9.0, 0.0, 9.0, 30.0, 100.0, 1e-3], dtype=dtype)
+    out = impl(x)
+    check(out, ref(x.double()), dtype)
+
+
+def test_act_and_mul_strided_rows():
+    x = randn(5, 2 * 256, dtype=torch.bfloat16)
+    wide = torch.full((5, 3 * 256), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+    wide[:, :512] = x
+    view = wide[:, :512]
+    check(silu_and_mul(view), silu_and_mul_ref(x.double()), torch.bfloat16)
+    check(gelu_tanh_and_mul(view), gelu_tanh_and_mul_ref(x.double()), torch.bfloat16)
