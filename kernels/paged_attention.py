@@ -221,12 +221,14 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     return _next_pow2(want) if want > 1 else 1
 
 
-def default_config(max_query_len: int, head_dim: int, gqa: int, block_size: int) -> dict:
+def default_config(max_query_len: int, head_dim: int, gqa: int, block_size: int, sliding_window: int = 0) -> dict:
     """Tile shapes and launch options, the fastest of a sweep on an H200 (bf16, Hq=32, Hkv=8,
     block 16; `distengine bench kernels --sweep`)."""
     block_m = max(16, _next_pow2(gqa))
     if max_query_len == 1:  # decode: bandwidth-bound, 4 warps keep enough loads in flight
-        return {"BLOCK_M": block_m, "TILE_N": max(block_size, 64), "num_warps": 4, "num_stages": 2}
+        # A window's first tile is partly masked: wider tiles waste less (W=1024: 0.082 vs 0.106 ms).
+        tile = 128 if sliding_window else 64
+        return {"BLOCK_M": block_m, "TILE_N": max(block_size, tile), "num_warps": 4, "num_stages": 2}
     if head_dim <= 128 and max_query_len < 8192:
         return {"BLOCK_M": max(block_m, 64), "TILE_N": max(block_size, 64), "num_warps": 4, "num_stages": 3}
     tile = 128 if head_dim <= 128 else 64
@@ -262,7 +264,7 @@ def paged_attention(
         out = torch.empty_like(q)
     if num_tokens == 0:
         return out
-    cfg = config or default_config(max_query_len, head_dim, gqa, block_size)
+    cfg = config or default_config(max_query_len, head_dim, gqa, block_size, sliding_window)
     block_m = cfg["BLOCK_M"]
     block_q = max(1, block_m // gqa)
     if num_splits is None:

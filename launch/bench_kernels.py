@@ -106,7 +106,8 @@ def bench_decode(sweep: bool, log) -> list[dict]:
                                            config=cfg, num_splits=splits)
         ms = _bench(ours())
         row = {"case": f"decode B={batch} L={length}" + (f" W={window}" if window else ""), "ms": ms,
-               "TB/s": nbytes / ms / 1e9, "splits": choose_num_splits(batch, HKV, length, sms), "config": default_config(1, 128, HQ // HKV, BLOCK)}
+               "TB/s": nbytes / ms / 1e9, "splits": choose_num_splits(batch, HKV, length, sms),
+               "config": default_config(1, 128, HQ // HKV, BLOCK, window)}
         sd = _sdpa(q.view(batch, 1, HQ, 128).transpose(1, 2), k, v, causal=False, window=window)
         if sd:
             run, backend = sd
