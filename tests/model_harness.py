@@ -1,0 +1,73 @@
+"""Drives one of our models the way the engine will: the KV cache manager hands out blocks, the
+step is flattened by `prepare_inputs`, the model runs on the paged cache."""
+from __future__ import annotations
+
+import torch
+
+from distengine.kv_cache.manager import KVCacheManager
+from distengine.kv_cache.model_config import parse_model_config
+from distengine.kv_cache.plan import make_plan
+from distengine.request import Request
+from workers.kv_cache import allocate_kv_cache
+from workers.parallel import TPGroup
+from workers.step_inputs import SeqStep, prepare_inputs
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class Harness:
+    def __init__(self, model, config, tp: TPGroup = TPGroup(), num_blocks: int = 256, block_size: int = 4,
+                 device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        d = config.to_dict()
+        d.setdefault("max_position_embeddings", 4096)
+        self.plan = make_plan(parse_model_config(d, kv_cache_dtype=DTYPE_NAMES[dtype]), tp.world_size, block_size)
+        self.model, self.device = model, torch.device(device)
+        self.manager = KVCacheManager(self.plan, num_blocks)
+        allocate_kv_cache(self.plan, model.attention_layers(), num_blocks, dtype, self.device)
+        self.n = 0
+
+    def step(self, req: Request, num_new: int, hit: int = 0, hit_blocks=None) -> torch.Tensor:
+        """Compute `num_new` tokens of `req` after its computed ones; logits of the last one."""
+        assert self.manager.allocate_slots(req, num_new, hit, hit_blocks) is not None, "pool too small"
+        req.num_computed_tokens += hit
+        start = req.num_computed_tokens
+        seq = SeqStep(req.all_token_ids[start:start + num_new], start, list(self.manager.get_block_ids(req.request_id)))
+        ids, pos, meta, idx = prepare_inputs([seq], self.plan.block_size, self.device)
+        with torch.no_grad():
+            hidden = self.model(ids, pos, meta)
+            logits = self.model.compute_logits(hidden)
+        req.num_computed_tokens += num_new
+        return logits
+
+    def new_request(self, tokens: list[int]) -> Request:
+        self.n += 1
+        return Request(f"r{self.n}", list(tokens))
+
+    def prefill_logits(self, tokens: list[int], chunk: int | None = None, use_cache: bool = False) -> torch.Tensor:
+        """Logits of every prompt token (chunks of `chunk` tokens; with `use_cache`, the prefix
+        the cache holds is not recomputed)."""
+        req = self.new_request(tokens)
+        out = []
+        hit, blocks = 0, None
+        if use_cache:
+            blocks, hit = self.manager.get_computed_blocks(req)
+        pos = hit
+        while pos < len(tokens):
+            n = min(chunk or len(tokens), len(tokens) - pos)
+            out.append(self.step(req, n, hit, blocks))
+            hit, blocks = 0, None
+            pos += n
+        self.manager.free(req)
+        return torch.cat(out), pos
+
+    def greedy(self, tokens: list[int], max_new: int) -> list[int]:
+        req = self.new_request(tokens)
+        logits = self.step(req, len(tokens))
+        out = []
+        for _ in range(max_new):
+            t = int(logits[-1].argmax())
+            out.append(t)
+            req.append_output_token(t)
+            logits = self.step(req, 1)
+        self.manager.free(req)
+        return out

@@ -1,0 +1,72 @@
+"""Our models against Hugging Face transformers on the same tiny random weights: prefill logits
+(float32), 32 greedy tokens, chunked prefill and prefix-cache hits through the paged cache."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.model_harness import Harness
+from workers.parallel import TPGroup
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, max_position_embeddings=512)
+CONFIGS = {
+    "llama": ("LlamaConfig", "workers.models.llama:LlamaForCausalLM",
+              dict(num_hidden_layers=3, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "mistral": ("MistralConfig", "workers.models.mistral:MistralForCausalLM",
+                dict(num_hidden_layers=3, sliding_window=12)),
+    "qwen2": ("Qwen2Config", "workers.models.qwen2:Qwen2ForCausalLM",
+              dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=12, max_window_layers=2)),
+    "qwen3": ("Qwen3Config", "workers.models.qwen3:Qwen3ForCausalLM", dict(num_hidden_layers=3)),
+}
+
+
+def build(name: str, seed: int = 0):
+    cls_name, ours_path, extra = CONFIGS[name]
+    config = getattr(transformers, cls_name)(**COMMON, **extra)
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    # Random (not HF's small init) norm weights and biases, so every parameter matters.
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if "norm" in n or n.endswith("bias"):
+                p.copy_(torch.randn_like(p) * 0.5 + (1.0 if "norm" in n else 0.0))
+    module, cls = ours_path.split(":")
+    import importlib
+    ours = getattr(importlib.import_module(module), cls)(hf.config, TPGroup(), torch.float32, torch.device("cpu"))
+    loaded = ours.load_weights(hf.state_dict().items())
+    assert ours.missing_weights(loaded) == []
+    return hf, ours
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_prefill_logits_and_greedy_match_transformers(name):
+    hf, ours = build(name)
+    h = Harness(ours, hf.config)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 300, (40,), generator=g).tolist()  # longer than the windows (12)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    got, _ = h.prefill_logits(prompt)
+    assert (got - ref).abs().max().item() < 1e-3
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
+                           attention_mask=torch.ones(1, 40, dtype=torch.long))[0, 40:].tolist()
+    assert h.greedy(prompt, 32) == want
+
+
+@pytest.mark.parametrize("name", ["mistral", "qwen3"])
+def test_chunked_prefill_and_prefix_hit_equal_one_prefill(name):
+    hf, ours = build(name)
+    h = Harness(ours, hf.config)
+    prompt = torch.randint(0, 300, (45,), generator=torch.Generator().manual_seed(2)).tolist()
+    full, _ = h.prefill_logits(prompt)
+    chunked, _ = h.prefill_logits(prompt, chunk=7)
+    assert (chunked - full).abs().max().item() < 1e-4
+    # The first prompt's blocks are cached now: a second prefill starts after the hit.
+    cached, _ = h.prefill_logits(prompt, use_cache=True)
+    assert cached.shape[0] < full.shape[0]
+    assert (cached - full[-cached.shape[0]:]).abs().max().item() < 1e-4

@@ -1,0 +1,55 @@
+"""Paged attention of one layer over its view of a shared group buffer."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from workers.ops import paged_attention_op, store_kv_op
+
+
+@dataclass
+class AttentionMetadata:
+    """What every attention layer reads for one step; built once per step by the runner.
+    Per KV cache group: a slot for each new token (-1: already cached) and each sequence's
+    block table."""
+
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32, context including the new tokens
+    max_query_len: int
+    max_seq_len: int
+    slot_mappings: list[torch.Tensor]  # per group, [num_tokens] int64
+    block_tables: list[torch.Tensor]  # per group, [num_seqs, max_blocks] int32
+
+
+class Attention(nn.Module):
+    """Stores the new tokens' K/V in the layer's slot of the shared buffers, then attends
+    through its group's block tables. `kv_cache` and `group_id` are set when the runner
+    allocates the cache (`bind_kv_cache`)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_name: str,
+                 sliding_window: int = 0, chunk_size: int = 0, softcap: float = 0.0,
+                 sinks: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale, self.layer_name = scale, layer_name
+        self.sliding_window, self.chunk_size, self.softcap, self.sinks = sliding_window, chunk_size, softcap, sinks
+        self.kv_cache: torch.Tensor | None = None
+        self.group_id = -1
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor, group_id: int) -> None:
+        self.kv_cache, self.group_id = kv_cache, group_id
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.kv_cache is None:
+            raise RuntimeError(f"{self.layer_name}: no KV cache bound (allocate the cache before running)")
+        n = q.shape[0]
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        store_kv_op(k.reshape(n, self.num_kv_heads, self.head_dim), v.reshape(n, self.num_kv_heads, self.head_dim),
+                    self.kv_cache, meta.slot_mappings[self.group_id])
+        out = paged_attention_op(
+            q.contiguous(), self.kv_cache, meta.block_tables[self.group_id], meta.query_start_loc, meta.seq_lens,
+            meta.max_query_len, meta.max_seq_len, self.scale, sliding_window=self.sliding_window,
+            chunk_size=self.chunk_size, softcap=self.softcap, sinks=self.sinks)
+        return out.reshape(n, self.num_heads * self.head_dim)

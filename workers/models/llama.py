@@ -1,0 +1,173 @@
+"""Llama (3.x, rope scaling llama3), the template the other decoder files vary.
+
+Each layer's attention type comes from the config (via the KV cache plan's reader), never from
+the model's name: a sliding layer gets its window, a chunked one its chunk.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from distengine.kv_cache.model_config import CHUNKED, SLIDING, parse_model_config
+from kernels.rotary import make_rope_cache
+from workers.layers.attention import Attention, AttentionMetadata
+from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from workers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from workers.models.base import DecoderForCausalLM, rope_params
+from workers.ops import act_and_mul, rms_norm_op, rotary_op
+from workers.parallel import TPGroup
+
+
+class RMSNorm(nn.Module):
+    """Replicated weight; `gemma` uses (1 + weight). With a residual: the fused add."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device, gemma: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
+        self.eps, self.gemma = eps, gemma
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return rms_norm_op(x, self.weight, self.eps, residual, gemma=self.gemma)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config, tp: TPGroup, dtype, device, prefix: str, bias: bool = False) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(h, [i, i], bias, tp, dtype, device, f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(i, h, bias, tp, dtype, device, f"{prefix}.down_proj")
+        self.act = act_and_mul(getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", "silu"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    qkv_bias = False
+    qk_norm = False
+
+    def __init__(self, config, layer_idx: int, kind: str, tp: TPGroup, dtype, device, prefix: str,
+                 rope_cache: torch.Tensor | None) -> None:
+        super().__init__()
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, heads, kv_heads, bias, tp, dtype, device,
+                                          f"{prefix}.qkv_proj")
+        self.o_proj = RowParallelLinear(heads * self.head_dim, config.hidden_size,
+                                        bool(getattr(config, "attention_bias", False)) and not self.qkv_bias,
+                                        tp, dtype, device, f"{prefix}.o_proj")
+        if self.qk_norm:
+            eps = config.rms_norm_eps
+            self.q_norm = RMSNorm(self.head_dim, eps, dtype, device, gemma=self.gemma_norm)
+            self.k_norm = RMSNorm(self.head_dim, eps, dtype, device, gemma=self.gemma_norm)
+        self.rope_cache = rope_cache
+        self.attn = Attention(self.qkv_proj.q_heads, self.qkv_proj.kv_heads, self.head_dim, self.scale(config),
+                              f"model.layers.{layer_idx}",
+                              sliding_window=config.sliding_window if kind == SLIDING else 0,
+                              chunk_size=getattr(config, "attention_chunk_size", 0) if kind == CHUNKED else 0,
+                              softcap=self.softcap(config))
+
+    gemma_norm = False
+
+    def scale(self, config) -> float:
+        return self.head_dim ** -0.5
+
+    def softcap(self, config) -> float:
+        return 0.0
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(n, -1, self.head_dim)
+        k = k.view(n, -1, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope_cache is not None:
+            q, k = rotary_op(q, k, positions, self.rope_cache)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_cls = LlamaAttention
+
+    def __init__(self, config, layer_idx: int, kind: str, tp, dtype, device, rope_cache) -> None:
+        super().__init__()
+        prefix = f"model.layers.{layer_idx}"
+        eps = config.rms_norm_eps
+        self.self_attn = self.attention_cls(config, layer_idx, kind, tp, dtype, device, f"{prefix}.self_attn",
+                                            rope_cache)
+        self.mlp = LlamaMLP(config, tp, dtype, device, f"{prefix}.mlp", bool(getattr(config, "mlp_bias", False)))
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+
+    def forward(self, positions, x, residual, meta):
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(positions, h, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config, layers: list[nn.Module], tp, dtype, device, norm: nn.Module) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype, device,
+                                                   "model.embed_tokens")
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids, positions, meta):
+        x, residual = self.embed(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+def layer_kinds(config) -> list[str]:
+    """Per-layer attention type, read as the KV cache plan reads it."""
+    d = config.to_dict()
+    d.setdefault("max_position_embeddings", getattr(config, "max_position_embeddings", None) or 1 << 20)
+    return [layer.kind for layer in parse_model_config(d).layers]
+
+
+class LlamaForCausalLM(DecoderForCausalLM):
+    decoder_layer_cls = LlamaDecoderLayer
+
+    def __init__(self, config, tp: TPGroup, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.config, self.tp = config, tp
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        kinds = layer_kinds(config)
+        caches = self.rope_caches(config, kinds, device)
+        layers = [self.decoder_layer_cls(config, i, kind, tp, dtype, device, caches[i]) for i, kind in enumerate(kinds)]
+        self.model = DecoderModel(config, layers, tp, dtype, device, self.final_norm(config, dtype, device))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype, device, "lm_head")
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def final_norm(self, config, dtype, device) -> nn.Module:
+        return RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+    def rope_caches(self, config, kinds: list[str], device) -> list[torch.Tensor | None]:
+        """One cos/sin cache per distinct (base, scaling), shared by the layers that use it."""
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rot = int(head_dim * getattr(config, "partial_rotary_factor", 1.0))
+        cache: dict[str, torch.Tensor] = {}
+        out = []
+        for kind in kinds:
+            base, scaling = rope_params(config, "sliding_attention" if kind == SLIDING else "full_attention")
+            key = repr((base, scaling))
+            if key not in cache:
+                cache[key] = make_rope_cache(rot, config.max_position_embeddings, base, scaling, torch.float32, device)
+            out.append(cache[key])
+        return out
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)

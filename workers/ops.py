@@ -1,0 +1,35 @@
+"""The hot ops of a decoder layer: Triton kernels on a GPU, their torch references on CPU."""
+from __future__ import annotations
+
+import torch
+
+from kernels.activation import gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref
+from kernels.kv_store import store_kv, store_kv_ref
+from kernels.layernorm import rms_norm, rms_norm_ref
+from kernels.paged_attention import paged_attention
+from kernels.paged_attention_ref import paged_attention_ref
+from kernels.rotary import rotary_embedding, rotary_embedding_ref
+
+
+def _pick(gpu, cpu):
+    return lambda x, *a, **k: (gpu if x.is_cuda else cpu)(x, *a, **k)
+
+
+rms_norm_op = _pick(rms_norm, rms_norm_ref)
+rotary_op = _pick(rotary_embedding, rotary_embedding_ref)
+store_kv_op = _pick(store_kv, store_kv_ref)
+paged_attention_op = _pick(paged_attention, paged_attention_ref)
+ACTIVATIONS = {
+    "silu": _pick(silu_and_mul, silu_and_mul_ref),
+    "gelu_pytorch_tanh": _pick(gelu_tanh_and_mul, gelu_tanh_and_mul_ref),
+    "gelu_tanh": _pick(gelu_tanh_and_mul, gelu_tanh_and_mul_ref),
+}
+
+
+def act_and_mul(name: str):
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation {name!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+    return ACTIVATIONS[name]
+
+
+__all__ = ["rms_norm_op", "rotary_op", "store_kv_op", "paged_attention_op", "act_and_mul", "torch"]
