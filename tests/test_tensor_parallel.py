@@ -1,0 +1,76 @@
+"""Tensor parallelism on CPU: two processes joined by gloo, each loading only its shard, give
+transformers' logits and greedy tokens; sizes that do not divide the heads are refused before
+anything runs."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.test_models import CONFIGS, build
+from workers.parallel import TPGroup
+
+ARCHS = sorted(CONFIGS)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, folder: str) -> None:
+    import importlib
+
+    from safetensors.torch import load_file
+
+    from tests.model_harness import Harness
+    from workers.parallel import init_tp_group
+    tp = init_tp_group(rank, world, f"tcp://127.0.0.1:{port}", "gloo")
+    results = {}
+    for name in ARCHS:
+        config = getattr(importlib.import_module("transformers"), CONFIGS[name][0]).from_pretrained(
+            os.path.join(folder, name))
+        module, cls = CONFIGS[name][1].split(":")
+        ours = getattr(importlib.import_module(module), cls)(config, tp, torch.float32, torch.device("cpu"))
+        state = load_file(os.path.join(folder, name, "model.safetensors"))
+        loaded = ours.load_weights(state.items())
+        assert ours.missing_weights(loaded) == [], name
+        h = Harness(ours, config, tp)
+        prompt = json.load(open(os.path.join(folder, "prompt.json")))
+        logits, _ = h.prefill_logits(prompt)
+        results[name] = {"logits": logits.tolist(), "greedy": h.greedy(prompt, 32)}
+    if rank == 0:
+        json.dump(results, open(os.path.join(folder, "tp_results.json"), "w"))
+    torch.distributed.destroy_process_group()
+
+
+def test_tp2_matches_transformers(tmp_path):
+    prompt = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    json.dump(prompt, open(tmp_path / "prompt.json", "w"))
+    refs = {}
+    for name in ARCHS:
+        hf, _ = build(name)
+        hf.save_pretrained(tmp_path / name)
+        with torch.no_grad():
+            refs[name] = (hf(torch.tensor([prompt])).logits[0],
+                          hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
+                                      attention_mask=torch.ones(1, 40, dtype=torch.long))[0, 40:].tolist())
+    mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    got = json.load(open(tmp_path / "tp_results.json"))
+    for name in ARCHS:
+        assert (torch.tensor(got[name]["logits"]) - refs[name][0]).abs().max().item() < 1e-3, name
+        assert got[name]["greedy"] == refs[name][1], name
+
+
+def test_tp_size_that_does_not_divide_heads_is_refused():
+    from tests.test_models import COMMON
+    import transformers
+    from workers.models.llama import LlamaForCausalLM
+    config = transformers.LlamaConfig(**COMMON, num_hidden_layers=1)
+    with pytest.raises(ValueError, match="query heads .* not divisible by the tensor-parallel size 3"):
+        LlamaForCausalLM(config, TPGroup(rank=0, world_size=3), torch.float32, torch.device("cpu"))

@@ -1,0 +1,330 @@
+"""Loading a Hugging Face model into one tensor-parallel rank.
+
+Everything that can be wrong with a model folder (unknown id, missing shard, tensor of the wrong
+shape, parameter with no weight) is found here and raised as a ValueError subclass naming the
+culprit, before the engine runs a step. Weights are read from safetensors one tensor at a time, so
+no rank and no host ever holds a full copy of the model: the model shards each tensor as it comes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from collections.abc import Collection, Iterable, Iterator
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from workers.parallel import TPGroup
+
+INDEX_FILE = "model.safetensors.index.json"
+ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "tokenizer*"]
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+class ModelNotFoundError(ValueError):
+    """The model is neither a local folder, nor on a reachable hub, nor in the HF cache."""
+
+
+class MissingShardError(ValueError):
+    """The index names shard files the folder lacks (an interrupted download, usually)."""
+
+
+class NoWeightsError(ValueError):
+    """The folder has no safetensors weights (we read no .bin/.pt pickles)."""
+
+
+class WeightShapeError(ValueError):
+    """A checkpoint tensor does not have the shape the model (built from config.json) expects."""
+
+
+class MissingWeightsError(ValueError):
+    """Model parameters that no checkpoint tensor filled: they would hold garbage."""
+
+
+class LoadableModel(Protocol):
+    """What `load_model` needs from a model class beyond `torch.nn.Module`."""
+
+    def expected_checkpoint_shapes(self) -> dict[str, tuple[int, ...]]: ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]: ...
+
+    def missing_weights(self, loaded: set[str]) -> list[str]: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Resolving a model id
+
+
+def resolve_model_path(model: str, revision: str | None = None) -> pathlib.Path:
+    """The local folder holding `model`'s config.json: `model` itself when it is a folder,
+    otherwise a hub snapshot (downloaded, or from the HF cache when the hub cannot be reached)."""
+    local = pathlib.Path(model).expanduser()
+    if local.is_file() and local.name == "config.json":
+        local = local.parent
+    if local.is_dir():
+        return _checked_folder(local.resolve(), model)
+    if _looks_like_path(model):
+        raise ModelNotFoundError(f"model folder {model!r} does not exist")
+    return _checked_folder(_snapshot(model, revision), model)
+
+
+def _looks_like_path(model: str) -> bool:
+    """A hub id is "name" or "org/name"; anything else can only have meant a local folder."""
+    return model.startswith((".", "/", "~")) or model.count("/") > 1 or "\\" in model
+
+
+def _checked_folder(folder: pathlib.Path, model: str) -> pathlib.Path:
+    if not (folder / "config.json").is_file():
+        raise ModelNotFoundError(f"model {model!r}: folder {folder} holds no config.json")
+    return folder
+
+
+def _snapshot(repo_id: str, revision: str | None) -> pathlib.Path:
+    """Hub first, then the cache: a machine without network can still serve a cached model."""
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (GatedRepoError, HFValidationError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+
+    def download(local_files_only: bool) -> pathlib.Path:
+        return pathlib.Path(huggingface_hub.snapshot_download(
+            repo_id, revision=revision, allow_patterns=ALLOW_PATTERNS, local_files_only=local_files_only))
+
+    try:
+        return download(local_files_only=False)
+    except HFValidationError as e:
+        raise ModelNotFoundError(f"model {_model_label(repo_id, revision)} is neither a local folder "
+                                 f"nor a valid Hugging Face hub id: {e}") from e
+    except (GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError) as e:
+        # The hub answered: retrying the cache would only hide its reason.
+        raise ModelNotFoundError(f"model {_model_label(repo_id, revision)} is not a local folder and the "
+                                 f"Hugging Face hub refused it ({type(e).__name__}; a private or gated "
+                                 f"repo needs HF_TOKEN): {_first_line(e)}") from e
+    except Exception as online_error:  # noqa: BLE001 - network failures come in many types
+        try:
+            return download(local_files_only=True)
+        except Exception as cache_error:  # noqa: BLE001
+            raise ModelNotFoundError(
+                f"model {_model_label(repo_id, revision)} is neither a local folder, nor reachable on the "
+                f"Hugging Face hub ({type(online_error).__name__}: {_first_line(online_error)}), nor cached "
+                f"in {constants.HF_HUB_CACHE} (HF_HUB_CACHE / HF_HOME choose it). Pass a local folder, "
+                f"or download it where there is network and copy the cache here; HF_HUB_OFFLINE=1 "
+                f"skips the network and uses the cache only"
+                f"{' (it is set)' if constants.HF_HUB_OFFLINE else ''}") from cache_error
+
+
+def _model_label(repo_id: str, revision: str | None) -> str:
+    return repr(repo_id) if revision is None else f"{repo_id!r} (revision {revision!r})"
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else "no message"
+
+
+# ---------------------------------------------------------------------------------------------
+# Config and dtype
+
+
+def load_hf_config(path: str | os.PathLike) -> PretrainedConfig:
+    """The full config (with `architectures`, which picks our class); the text part of a
+    multimodal wrapper is `text_config(config)`."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path))
+
+
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The language model's config: itself for a text model, `text_config` for Gemma-3 or Llama-4
+    multimodal wrappers, whose layer counts, heads and windows live there."""
+    return config.get_text_config()
+
+
+def resolve_dtype(config: PretrainedConfig, dtype: str | torch.dtype = "auto",
+                  device: torch.device | str | None = None) -> torch.dtype:
+    """The dtype the model's parameters will have.
+
+    "auto" takes the checkpoint's dtype from the config (`dtype`, formerly `torch_dtype`, on the
+    wrapper or its text config), except that a float32 checkpoint is served as bfloat16 on CUDA
+    (float32 would double the memory and run off the tensor cores' fast path) and kept float32 on
+    CPU (CPU bf16 matmuls are slow and less exact, and the CPU tests compare against float32
+    transformers). A config without a dtype is a float32 checkpoint (transformers' default).
+    `device` defaults to CUDA when one is available.
+    """
+    if isinstance(dtype, torch.dtype):
+        return _checked_dtype(dtype, "dtype")
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r}; choose one of: auto, {', '.join(DTYPES)}")
+        return DTYPES[dtype]
+    found = _config_dtype(config)
+    if found == torch.float32 and _device_type(device) == "cuda":
+        return torch.bfloat16
+    return found
+
+
+def _checked_dtype(dtype: torch.dtype, where: str) -> torch.dtype:
+    if dtype not in DTYPES.values():
+        raise ValueError(f"unsupported {where} {dtype}; choose one of: auto, {', '.join(DTYPES)}")
+    return dtype
+
+
+def _config_dtype(config: PretrainedConfig) -> torch.dtype:
+    for cfg in (config, text_config(config)):
+        value = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
+        if value is not None:
+            if isinstance(value, str):
+                value = DTYPES.get(value.removeprefix("torch."), value)
+            if not isinstance(value, torch.dtype):
+                raise ValueError(f"config.json has dtype {value!r}, which we do not serve; pass dtype= "
+                                 f"one of: {', '.join(DTYPES)}")
+            return _checked_dtype(value, "config.json dtype (pass dtype= explicitly)")
+    return torch.float32
+
+
+def _device_type(device: torch.device | str | None) -> str:
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device).type
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights
+
+
+def _weight_files(path: str | os.PathLike) -> dict[pathlib.Path, list[str] | None]:
+    """Each safetensors file to read and, with an index, the tensor names to take from it
+    (None: all of them). Raises if a shard is missing or there is nothing to read, so that a
+    broken folder fails before a single tensor is loaded."""
+    folder = pathlib.Path(path)
+    index = folder / INDEX_FILE
+    if index.is_file():
+        return _indexed_files(folder, index)
+    files = sorted(folder.glob("*.safetensors"))
+    # Mistral repos ship their native consolidated*.safetensors beside the HF files (other names).
+    hf_files = [f for f in files if not f.name.startswith("consolidated")]
+    files = hf_files or files
+    if not files:
+        pickles = sorted(p.name for p in [*folder.glob("*.bin"), *folder.glob("*.pt")])
+        found = f"found {', '.join(pickles[:3])}, but " if pickles else ""
+        raise NoWeightsError(f"no *.safetensors weights in {folder} ({found}.bin/.pt checkpoints are not "
+                             f"supported: convert them to safetensors)")
+    return {f: None for f in files}
+
+
+def _indexed_files(folder: pathlib.Path, index: pathlib.Path) -> dict[pathlib.Path, list[str] | None]:
+    weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    files: dict[pathlib.Path, list[str] | None] = {}
+    for name, file in weight_map.items():
+        names = files.setdefault(folder / file, [])
+        assert names is not None
+        names.append(name)
+    missing = sorted(f.name for f in files if not f.is_file())
+    if missing:
+        raise MissingShardError(f"{folder}: {len(missing)} of the {len(files)} shard files named in "
+                                f"{INDEX_FILE} are missing: {', '.join(missing)} (an incomplete download?)")
+    return dict(sorted(files.items()))
+
+
+def iterate_weights(path: str | os.PathLike,
+                    names: Collection[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor in the checkpoint's dtype), one tensor in memory at a time.
+
+    The folder is checked when this is called, not when iteration starts, so a missing shard is
+    raised before anything is yielded. `names` restricts the tensors read: the others (say a
+    vision tower we do not serve) are never loaded.
+    """
+    return _read_tensors(_weight_files(path), names)
+
+
+def _read_tensors(files: dict[pathlib.Path, list[str] | None],
+                  wanted: Collection[str] | None) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file, listed in files.items():
+        with safe_open(str(file), "pt") as f:
+            for name in listed if listed is not None else f.keys():
+                if wanted is None or name in wanted:
+                    yield name, f.get_tensor(name)
+
+
+def get_weight_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint tensor's shape, from the safetensors headers alone (no data read), so
+    that shapes are checked against the model before any memory is spent on weights."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file, listed in _weight_files(path).items():
+        with safe_open(str(file), "pt") as f:
+            present = set(f.keys())
+            absent = [n for n in listed or () if n not in present]
+            if absent:
+                raise MissingShardError(f"{file.name} lacks {len(absent)} tensors that {INDEX_FILE} places "
+                                        f"there: {_some(absent)}")
+            for name in listed if listed is not None else f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def _some(names: list[str], limit: int = 20) -> str:
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+
+
+def check_weight_shapes(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]]) -> None:
+    """Raise WeightShapeError listing every checkpoint tensor the model takes whose full
+    (unsharded) shape differs from the model's: a config that does not match its weights."""
+    wrong = [f"{name}: expected {tuple(expected[name])}, found {tuple(found[name])}"
+             for name in sorted(expected.keys() & found.keys())
+             if tuple(expected[name]) != tuple(found[name])]
+    if wrong:
+        raise WeightShapeError(f"{len(wrong)} checkpoint tensors do not have the shape the config implies: "
+                               f"{_some(wrong)}")
+
+
+def load_model(path: str | os.PathLike, model_cls: type, tp: TPGroup,
+               dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu") -> torch.nn.Module:
+    """Build `model_cls` (an nn.Module following `LoadableModel`) for this rank and fill it from
+    the checkpoint at `path`.
+
+    The model receives the full HF config (a multimodal wrapper's too: its weight names depend on
+    it; `text_config(config)` is the language part). Missing shards and wrong shapes are raised
+    before any tensor data is read; only the tensors named by `expected_checkpoint_shapes()` are
+    read and handed to `load_weights`, which shards each one itself.
+    """
+    config = load_hf_config(path)
+    device = torch.device(device)
+    resolved = resolve_dtype(config, dtype, device)
+    found = get_weight_shapes(path)
+    model = model_cls(config, tp=tp, dtype=resolved, device=device)
+    expected = model.expected_checkpoint_shapes()
+    check_weight_shapes(expected, found)
+    with torch.no_grad():
+        loaded = model.load_weights(iterate_weights(path, names=expected.keys()))
+    missing = model.missing_weights(set(loaded))
+    if missing:
+        raise MissingWeightsError(f"{len(missing)} model parameters got no weight from {path}: {_some(missing)}")
+    return model.eval()
+
+
+def get_model(model: str, tp: TPGroup, dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu",
+              revision: str | None = None) -> torch.nn.Module:
+    """The whole path from an id or folder to a loaded rank shard, in the order that fails
+    cheapest first (id, then architecture, then shards and shapes, then data)."""
+    from workers.models import get_model_class
+
+    path = resolve_model_path(model, revision)
+    model_cls = get_model_class(getattr(load_hf_config(path), "architectures", None))
+    return load_model(path, model_cls, tp, dtype, device)

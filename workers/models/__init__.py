@@ -1,0 +1,58 @@
+"""Model registry: the `architectures` field of a Hugging Face config.json names our implementation.
+
+Entries are "module:Class" strings imported on first use, so that importing the registry (the
+scheduler does, to reject an unsupported model before any worker starts) pulls in no model code,
+and a model file that fails to import breaks only that architecture.
+"""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+
+MODEL_REGISTRY: dict[str, str] = {
+    "LlamaForCausalLM": "workers.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "workers.models.mistral:MistralForCausalLM",
+    "Qwen2ForCausalLM": "workers.models.qwen2:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "workers.models.qwen3:Qwen3ForCausalLM",
+    "Gemma2ForCausalLM": "workers.models.gemma2:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "workers.models.gemma3:Gemma3ForCausalLM",
+    # The multimodal checkpoint: we serve its text part (the model skips the vision tower's weights).
+    "Gemma3ForConditionalGeneration": "workers.models.gemma3:Gemma3ForCausalLM",
+    "Cohere2ForCausalLM": "workers.models.cohere2:Cohere2ForCausalLM",
+}
+
+
+class UnsupportedArchitectureError(ValueError):
+    """The config names no architecture we implement; raised before any weight is read."""
+
+
+def supported_architectures() -> list[str]:
+    """The names a config's `architectures` may hold, sorted for error messages and docs."""
+    return sorted(MODEL_REGISTRY)
+
+
+def _import_entry(architecture: str, entry: str) -> type:
+    module_name, _, class_name = entry.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ImportError(f"the implementation of {architecture} ({entry}) could not be imported: {e}") from e
+    try:
+        return getattr(module, class_name)
+    except AttributeError as e:
+        raise ImportError(f"the implementation of {architecture}: {module_name} has no {class_name}") from e
+
+
+def get_model_class(architectures: Sequence[str] | None) -> type:
+    """Our class for the first architecture of the config that we implement.
+
+    A config may list several names (HF lists the head it was saved with first); taking the first
+    supported one follows transformers' own choice.
+    """
+    for architecture in architectures or ():
+        entry = MODEL_REGISTRY.get(architecture)
+        if entry is not None:
+            return _import_entry(architecture, entry)
+    given = ", ".join(architectures) if architectures else "none (config.json has no 'architectures')"
+    raise UnsupportedArchitectureError(
+        f"unsupported model architecture: {given}; supported: {', '.join(supported_architectures())}")
