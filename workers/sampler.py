@@ -1,0 +1,346 @@
+"""Batched token sampling for one engine step (vLLM semantics), entirely on the logits' device.
+
+Pipeline of `sample` (row = one request sampled this step):
+
+1. Penalties, on a float32 copy of the logits (the caller's tensor is never modified):
+   repetition (tokens seen in prompt or output: positive logits divided by the penalty, negative
+   ones multiplied), then frequency (``- freq * count_in_output``), then presence
+   (``- pres * (count_in_output > 0)``).
+2. Logprobs (when asked) = ``log_softmax`` of the *penalised* logits, before temperature, top-k,
+   top-p and min-p.  NOTE: vLLM's default ``raw_logprobs`` mode takes them before penalties; here
+   they are taken after penalties, before any other processing (as the engine's spec asks).
+3. Greedy rows (temperature < 1e-5, stored as 0 by `build`) take ``argmax`` of the penalised
+   logits (ties: lowest token id).
+4. Other rows: divide by temperature; top-k (keep every token whose logit is >= the k-th largest,
+   so ties at the boundary may keep more than k); top-p on the tempered distribution (keep the
+   smallest prefix of the descending-sorted tokens whose cumulative probability is >= p, never
+   fewer than one token; implemented as vLLM does: drop a token when the ascending cumulative sum
+   up to and including it is <= 1 - p); min-p (drop tokens with ``prob < min_p * max_prob``,
+   done in logit space as ``logit < max_logit + log(min_p)``; the max token is never dropped by
+   top-k/top-p, so applying min-p last equals applying it to the full distribution).
+5. Draw with the exponential race: ``argmax(probs / q)``, ``q ~ Exp(1)`` i.i.d. per token,
+   computed in log space as ``argmax(logits - log q)`` (same argmax since softmax is a monotone,
+   shift-invariant map per row; no softmax, no underflow).  ``q = -log(u)`` with ``u`` uniform
+   in (0, 1):
+
+   * unseeded rows: ``u`` from ``torch.rand`` with the device's default generator (so
+     ``torch.manual_seed`` makes a run reproducible; CUDA-graph capturable);
+   * seeded rows: ``u`` from a counter-based hash of (seed, output_token_count, token id):
+     ``row_key = mix(mix(seed) ^ mix(count + c))``, ``z = mix(row_key + (token_id + 1) * golden)``,
+     ``u = (2 * (top 23 bits of z) + 1) / 2**24``, where ``mix`` is the splitmix64 finaliser evaluated
+     with wrapping int64 tensor arithmetic (logical shifts emulated by shift + mask).  The draw of a
+     seeded request therefore depends only on (seed, tokens produced so far, its logits and
+     params): it is the same alone or batched, at any row position, across steps, restarts and
+     (bit-exactly, for the noise) across CPU and CUDA.
+
+No host synchronisation happens inside `sample`: no scalar reads, no host copies, no
+data-dependent shapes; the only Python branches are on the batch flags of `SamplingTensors` and on
+tensor shapes.  Memory: a few [N, V] float32 temporaries, plus [N, V] int64 ones for the hash when
+any row is seeded, and a sort of [N, V] when any row uses top-k or top-p.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["SamplingTensors", "SamplerOutput", "sample", "apply_penalties", "seeded_uniform",
+           "SAMPLING_EPS"]
+
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as vLLM's _SAMPLING_EPS)
+
+_MASK64 = (1 << 64) - 1
+
+
+def _i64(c: int) -> int:
+    """An unsigned 64-bit constant as the signed int64 with the same bits."""
+    c &= _MASK64
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN = _i64(0x9E3779B97F4A7C15)
+_COUNT_SALT = _i64(0xD1B54A32D192ED03)
+_M1 = _i64(0xBF58476D1CE4E5B9)
+_M2 = _i64(0x94D049BB133111EB)
+
+
+def _shr(z: Tensor, s: int) -> Tensor:
+    """Logical right shift of int64 bits (torch's >> is arithmetic on signed ints)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix64(z: Tensor) -> Tensor:
+    """splitmix64 finaliser on int64 tensors (multiplication wraps mod 2**64)."""
+    z = z ^ _shr(z, 30)
+    z = z * _M1
+    z = z ^ _shr(z, 27)
+    z = z * _M2
+    return z ^ _shr(z, 31)
+
+
+def seeded_uniform(seeds: Tensor, counts: Tensor, vocab_size: int) -> Tensor:
+    """[N, vocab_size] float32 uniforms in (0, 1), a pure function of (seed, count, token id).
+
+    Values are (2k + 1) / 2**24 for the top 23 bits k of the hash: strictly inside (0, 1) and
+    exact in float32 (a 24-bit odd numerator), so u never rounds to 1 (which would make q = 0).
+    """
+    row_key = _mix64(_mix64(seeds) ^ _mix64(counts + _COUNT_SALT))
+    tok = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=seeds.device) * _GOLDEN
+    z = _mix64(row_key.unsqueeze(1) + tok.unsqueeze(0))
+    return (_shr(z, 41) * 2 + 1).to(torch.float32) * (2.0 ** -24)
+
+
+@dataclass
+class SamplingTensors:
+    """Per-step sampling parameters, one row per request sampled this step (same order as the
+    logits rows).  Build it with `build`; tensors live on the logits' device.
+
+    Conventions: temperature 0 = greedy; top_k in {0, <0, >= V} = off (build stores V);
+    top_p 1 = off; min_p 0 = off; presence/frequency 0 = off; repetition 1 = off.
+    Token tensors are padded with ``vocab_size`` and are [N, 0] when not needed.
+    """
+    temperature: Tensor          # [N] float32
+    top_k: Tensor                # [N] int64
+    top_p: Tensor                # [N] float32
+    min_p: Tensor                # [N] float32
+    presence_penalty: Tensor     # [N] float32
+    frequency_penalty: Tensor    # [N] float32
+    repetition_penalty: Tensor   # [N] float32
+    seeds: Tensor                # [N] int64 (seed's low 64 bits, as signed)
+    has_seed: Tensor             # [N] bool
+    output_token_counts: Tensor  # [N] int64
+    prompt_tokens: Tensor        # [N, Lp] int64, padded with vocab_size
+    output_tokens: Tensor        # [N, Lo] int64, padded with vocab_size
+    num_logprobs: int            # K of top_logprobs (0 = none)
+    any_penalties: bool
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+    all_greedy: bool
+    any_seeded: bool
+    # Extras beyond the minimal spec (defaults keep hand-built instances working).
+    want_logprobs: bool = False  # some request asked for logprobs (even logprobs=0): fill .logprobs
+    all_seeded: bool = False     # every non-greedy row is seeded: skip torch.rand
+
+    @classmethod
+    def build(cls, params: list[dict], prompt_token_ids: list[list[int]],
+              output_token_ids: list[list[int]], vocab_size: int, device) -> "SamplingTensors":
+        """Validate and pack per-request params.  Missing / None keys take their "off" defaults.
+        Raises ValueError naming the field (and request index) for broken values."""
+        n = len(params)
+        if len(prompt_token_ids) != n or len(output_token_ids) != n:
+            raise ValueError(f"params ({n}), prompt_token_ids ({len(prompt_token_ids)}) and "
+                             f"output_token_ids ({len(output_token_ids)}) must have equal length")
+        if vocab_size <= 0:
+            raise ValueError(f"vocab_size must be > 0, got {vocab_size}")
+        V = int(vocab_size)
+
+        temps, top_ks, top_ps, min_ps, pres, freq, reps, seeds, has_seed, nlps = ([] for _ in range(10))
+        want_lp = False
+        for i, p in enumerate(params):
+            def get(key, default):
+                v = p.get(key, default)
+                return default if v is None else v
+
+            def bad(field, v, rule):
+                return ValueError(f"request {i}: {field} must be {rule}, got {v!r}")
+
+            temp = float(get("temperature", 1.0))
+            if not math.isfinite(temp) or temp < 0:
+                raise bad("temperature", temp, "finite and >= 0")
+            tk = get("top_k", 0)
+            if isinstance(tk, bool) or int(tk) != tk or tk < -1:
+                raise bad("top_k", tk, "an int >= 0 (or -1 = off)")
+            tk = int(tk)
+            tp = float(get("top_p", 1.0))
+            if not (0.0 < tp <= 1.0):
+                raise bad("top_p", tp, "in (0, 1]")
+            mp = float(get("min_p", 0.0))
+            if not (0.0 <= mp <= 1.0):
+                raise bad("min_p", mp, "in [0, 1]")
+            pp = float(get("presence_penalty", 0.0))
+            if not math.isfinite(pp):
+                raise bad("presence_penalty", pp, "finite")
+            fp = float(get("frequency_penalty", 0.0))
+            if not math.isfinite(fp):
+                raise bad("frequency_penalty", fp, "finite")
+            rp = float(get("repetition_penalty", 1.0))
+            if not math.isfinite(rp) or rp <= 0:
+                raise bad("repetition_penalty", rp, "finite and > 0")
+            seed = p.get("seed")
+            if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+                raise bad("seed", seed, "None or an int")
+            lp = p.get("logprobs")
+            if lp is not None:
+                if isinstance(lp, bool) or not isinstance(lp, int) or lp < -1:
+                    raise bad("logprobs", lp, "None, an int >= 0, or -1 (= whole vocabulary)")
+                want_lp = True
+                lp = V if lp == -1 else lp
+
+            greedy = temp < SAMPLING_EPS
+            temps.append(0.0 if greedy else temp)
+            top_ks.append(V if tk <= 0 or tk >= V else tk)
+            top_ps.append(tp)
+            min_ps.append(mp)
+            pres.append(pp)
+            freq.append(fp)
+            reps.append(rp)
+            seeds.append(_i64(seed) if seed is not None else 0)
+            has_seed.append(seed is not None)
+            nlps.append(lp or 0)
+
+        sampled = [temps[i] != 0.0 for i in range(n)]  # flags below describe non-greedy rows only
+        any_rep = any(r != 1.0 for r in reps)
+        any_penalties = any_rep or any(x != 0.0 for x in pres) or any(x != 0.0 for x in freq)
+        any_seeded = any(s and h for s, h in zip(sampled, has_seed))
+
+        dev = torch.device(device)
+        pin = dev.type == "cuda"
+
+        def put(t: Tensor) -> Tensor:
+            if pin:
+                t = t.pin_memory()
+            return t.to(dev, non_blocking=True)
+
+        def padded(rows: list[list[int]], need: bool) -> Tensor:
+            if not need:
+                return torch.empty((n, 0), dtype=torch.int64)
+            lens = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+            width = max((len(r) for r in rows), default=0)
+            out = torch.full((n, width), V, dtype=torch.int64)
+            if width:
+                flat = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.int64)
+                out[torch.arange(width).unsqueeze(0) < lens.unsqueeze(1)] = flat
+            return out
+
+        f32 = dict(dtype=torch.float32)
+        return cls(
+            temperature=put(torch.tensor(temps, **f32)),
+            top_k=put(torch.tensor(top_ks, dtype=torch.int64)),
+            top_p=put(torch.tensor(top_ps, **f32)),
+            min_p=put(torch.tensor(min_ps, **f32)),
+            presence_penalty=put(torch.tensor(pres, **f32)),
+            frequency_penalty=put(torch.tensor(freq, **f32)),
+            repetition_penalty=put(torch.tensor(reps, **f32)),
+            seeds=put(torch.tensor(seeds, dtype=torch.int64)),
+            has_seed=put(torch.tensor(has_seed, dtype=torch.bool)),
+            output_token_counts=put(torch.tensor([len(o) for o in output_token_ids], dtype=torch.int64)),
+            prompt_tokens=put(padded(prompt_token_ids, any_rep)),
+            output_tokens=put(padded(output_token_ids, any_penalties)),
+            num_logprobs=min(max(nlps, default=0), V),
+            any_penalties=any_penalties,
+            any_top_k=any(s and k < V for s, k in zip(sampled, top_ks)),
+            any_top_p=any(s and x < 1.0 for s, x in zip(sampled, top_ps)),
+            any_min_p=any(s and x > 0.0 for s, x in zip(sampled, min_ps)),
+            all_greedy=not any(sampled),
+            any_seeded=any_seeded,
+            want_logprobs=want_lp,
+            all_seeded=any(sampled) and all(h for s, h in zip(sampled, has_seed) if s),
+        )
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: Tensor                    # [N] int64
+    logprobs: Tensor | None = None       # [N] float32: log_softmax(penalised logits)[token]
+    top_logprobs: Tensor | None = None   # [N, K] float32, descending
+    top_token_ids: Tensor | None = None  # [N, K] int64
+
+
+def apply_penalties(logits: Tensor, t: SamplingTensors) -> Tensor:
+    """Repetition, frequency and presence penalties (vLLM semantics) -> new float32 [N, V]."""
+    x = logits.to(torch.float32, copy=True)
+    N, V = x.shape
+    out_counts = None
+    if t.output_tokens.shape[1]:
+        out_tok = t.output_tokens.clamp(max=V)  # padding (vocab_size) -> the dropped column V
+        out_counts = torch.zeros((N, V + 1), dtype=torch.float32, device=x.device)
+        out_counts.scatter_add_(1, out_tok, torch.ones_like(out_tok, dtype=torch.float32))
+        out_counts = out_counts[:, :V]
+    out_mask = out_counts > 0 if out_counts is not None else None
+
+    seen = None
+    if t.prompt_tokens.shape[1]:
+        seen = torch.zeros((N, V + 1), dtype=torch.bool, device=x.device)
+        seen.scatter_(1, t.prompt_tokens.clamp(max=V), True)
+        seen = seen[:, :V]
+    if out_mask is not None:
+        seen = out_mask if seen is None else seen | out_mask
+    if seen is not None:
+        pen = torch.where(seen, t.repetition_penalty.unsqueeze(1), 1.0)
+        x = torch.where(x > 0, x / pen, x * pen)
+    if out_counts is not None:
+        x.sub_(t.frequency_penalty.unsqueeze(1) * out_counts)
+        x.sub_(t.presence_penalty.unsqueeze(1) * out_mask)
+    return x
+
+
+def _top_k_top_p(x: Tensor, t: SamplingTensors) -> Tensor:
+    """Mask (to -inf) tokens outside top-k and then outside the top-p nucleus; returns x."""
+    V = x.shape[1]
+    sorted_x, order = x.sort(dim=-1, descending=False)
+    if t.any_top_k:
+        k = torch.where((t.top_k <= 0) | (t.top_k > V), V, t.top_k)
+        thresh = sorted_x.gather(1, (V - k).unsqueeze(1))
+        sorted_x.masked_fill_(sorted_x < thresh, float("-inf"))
+    if t.any_top_p:
+        cum = sorted_x.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= (1.0 - t.top_p).unsqueeze(1)
+        drop[:, -1] = False  # the most likely token always stays
+        sorted_x.masked_fill_(drop, float("-inf"))
+    return x.scatter_(1, order, sorted_x)
+
+
+def _uniform_noise(t: SamplingTensors, N: int, V: int, device) -> Tensor:
+    if t.any_seeded:
+        seeded = seeded_uniform(t.seeds, t.output_token_counts, V)
+        if t.all_seeded:
+            return seeded
+        unseeded = torch.rand((N, V), dtype=torch.float32, device=device).clamp_min_(2.0 ** -25)
+        return torch.where(t.has_seed.unsqueeze(1), seeded, unseeded)
+    return torch.rand((N, V), dtype=torch.float32, device=device).clamp_min_(2.0 ** -25)
+
+
+def _random_sample(x: Tensor, t: SamplingTensors) -> Tensor:
+    """Temperature, top-k, top-p, min-p, then exponential race.  Does not modify x."""
+    N, V = x.shape
+    temp = torch.where(t.temperature < SAMPLING_EPS, 1.0, t.temperature)
+    x = x / temp.unsqueeze(1)
+    if t.any_top_k or t.any_top_p:
+        x = _top_k_top_p(x, t)
+    if t.any_min_p:
+        floor = x.amax(dim=-1, keepdim=True) + torch.log(t.min_p).unsqueeze(1)  # log 0 = -inf: off
+        x.masked_fill_(x < floor, float("-inf"))
+    u = _uniform_noise(t, N, V, x.device)
+    log_q = u.log_().neg_().log_()  # q = -log u ~ Exp(1), q in (0, inf)
+    return x.sub_(log_q).argmax(dim=-1)
+
+
+def sample(logits: Tensor, t: SamplingTensors) -> SamplerOutput:
+    """Sample one token per row of ``logits`` [N, V] (any float dtype; V must equal the
+    ``vocab_size`` given to `SamplingTensors.build`, i.e. slice off lm_head padding first).
+    The input tensor is not modified.  No host synchronisation."""
+    if t.any_penalties:
+        x = apply_penalties(logits, t)
+    else:
+        x = logits.to(torch.float32)  # may alias `logits`: only out-of-place ops on x below
+
+    out = SamplerOutput(token_ids=None)  # type: ignore[arg-type]
+    lp = None
+    if t.want_logprobs or t.num_logprobs > 0:
+        lp = torch.log_softmax(x, dim=-1)
+        if t.num_logprobs > 0:
+            out.top_logprobs, out.top_token_ids = torch.topk(lp, t.num_logprobs, dim=-1)
+
+    greedy = x.argmax(dim=-1)
+    if t.all_greedy:
+        tokens = greedy
+    else:
+        tokens = torch.where(t.temperature < SAMPLING_EPS, greedy, _random_sample(x, t))
+    out.token_ids = tokens
+    if lp is not None:
+        out.logprobs = lp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    return out
