@@ -58,7 +58,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr, CHUNK: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_HEAD_SCALE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -122,7 +122,7 @@ def _paged_attention_kernel(
                     + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
         if DOT_F32:
             k = k.to(tl.float32)
-        s = tl.dot(q, k)  # [BLOCK_M, TILE_N], fp32
+        s = tl.dot(q, k, input_precision=PRECISION)  # [BLOCK_M, TILE_N], fp32
         if USE_SOFTCAP:
             x = s * (scale / softcap)
             if HAS_HEAD_SCALE:
@@ -150,7 +150,7 @@ def _paged_attention_kernel(
                     + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
         if DOT_F32:
             v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     tok_global = q_start + tok
@@ -293,7 +293,9 @@ def paged_attention(
         GQA=gqa, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, TILE_N=cfg["TILE_N"], SLIDING_WINDOW=int(sliding_window), CHUNK=int(chunk_size),
         USE_SOFTCAP=bool(softcap), HAS_SINKS=sinks is not None, HAS_HEAD_SCALE=head_scale is not None,
-        NUM_SPLITS=num_splits, DOT_F32=_interpreter_bf16(q), num_warps=cfg["num_warps"],
+        NUM_SPLITS=num_splits, DOT_F32=_interpreter_bf16(q),
+        # fp32 models (tests against transformers) get full-precision products, not TF32.
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
     if num_splits > 1:

@@ -9,6 +9,7 @@ import torch
 
 from distengine.kv_cache.manager import KVCacheManager
 from distengine.request import Request
+from tests.conftest import DEVICE
 from tests.test_models import build
 from workers.model_runner import KVCacheTooSmallError, ModelRunner
 
@@ -44,8 +45,8 @@ def _plan_step(mgr, runner_known, batch):
 
 def test_runner_greedy_with_mixed_batches_matches_generate(checkpoint):
     hf, folder = checkpoint
-    runner = ModelRunner(folder, dtype="float32", block_size=4, max_model_len=256)
-    runner.allocate_kv_cache(runner.determine_num_blocks(cpu_kv_cache_gib=0.01))
+    runner = ModelRunner(folder, device=DEVICE, dtype="float32", block_size=4, max_model_len=256)
+    runner.allocate_kv_cache(400)
     mgr = KVCacheManager(runner.plan, runner.num_blocks)
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (23, 31)]
@@ -84,3 +85,17 @@ def test_unknown_request_is_refused(checkpoint):
     runner.allocate_kv_cache(200)
     with pytest.raises(KeyError, match="never sent"):
         runner.execute({"scheduled": [{"id": "x", "num_computed": 0, "num_tokens": 1}]})
+
+
+def test_num_blocks_from_memory(checkpoint):
+    """CPU: a fixed budget; GPU: what is left after a profiling pass at the largest batch."""
+    _, folder = checkpoint
+    runner = ModelRunner(folder, device=DEVICE, dtype="float32", block_size=4, max_model_len=256)
+    n = runner.determine_num_blocks(gpu_memory_utilization=0.3, cpu_kv_cache_gib=0.01)
+    if DEVICE == "cpu":
+        assert n == int(0.01 * (1 << 30)) // runner.plan.block_bytes
+    else:
+        free, total = torch.cuda.mem_get_info()
+        assert 0 < n * runner.plan.block_bytes < 0.3 * total
+    with pytest.raises(KVCacheTooSmallError):
+        runner.determine_num_blocks(gpu_memory_utilization=1e-9, cpu_kv_cache_gib=1e-9)

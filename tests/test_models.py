@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import DEVICE
 from tests.model_harness import Harness
 from workers.parallel import TPGroup
 
@@ -21,10 +22,24 @@ CONFIGS = {
     "qwen2": ("Qwen2Config", "workers.models.qwen2:Qwen2ForCausalLM",
               dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=12, max_window_layers=2)),
     "qwen3": ("Qwen3Config", "workers.models.qwen3:Qwen3ForCausalLM", dict(num_hidden_layers=3)),
+    # Alternating sliding/full (sliding first); caps small enough that the tanh bends the scores
+    # and the logits of these tiny random weights; eager attention, the one HF soft-caps in.
+    "gemma2": ("Gemma2Config", "workers.models.gemma2:Gemma2ForCausalLM",
+               dict(num_hidden_layers=4, sliding_window=12, query_pre_attn_scalar=24, attn_logit_softcapping=0.5,
+                    final_logit_softcapping=0.5, attn_implementation="eager")),
+    # 5 sliding : 1 full, each type its own RoPE base (the full one linearly scaled, as the 4B+ models).
+    "gemma3": ("Gemma3TextConfig", "workers.models.gemma3:Gemma3ForCausalLM",
+               dict(num_hidden_layers=6, sliding_window=12, sliding_window_pattern=6, query_pre_attn_scalar=24,
+                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                     "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                        "rope_theta": 1000000.0}})),
+    # 3 sliding (with interleaved RoPE) : 1 full (no RoPE), parallel block, LayerNorm, logit_scale.
+    "cohere2": ("Cohere2Config", "workers.models.cohere2:Cohere2ForCausalLM",
+                dict(num_hidden_layers=4, sliding_window=12)),
 }
 
 
-def build(name: str, seed: int = 0):
+def build(name: str, seed: int = 0, device: str = "cpu"):
     cls_name, ours_path, extra = CONFIGS[name]
     config = getattr(transformers, cls_name)(**COMMON, **extra)
     torch.manual_seed(seed)
@@ -36,7 +51,7 @@ def build(name: str, seed: int = 0):
                 p.copy_(torch.randn_like(p) * 0.5 + (1.0 if "norm" in n else 0.0))
     module, cls = ours_path.split(":")
     import importlib
-    ours = getattr(importlib.import_module(module), cls)(hf.config, TPGroup(), torch.float32, torch.device("cpu"))
+    ours = getattr(importlib.import_module(module), cls)(hf.config, TPGroup(), torch.float32, torch.device(device))
     loaded = ours.load_weights(hf.state_dict().items())
     assert ours.missing_weights(loaded) == []
     return hf, ours
@@ -44,24 +59,24 @@ def build(name: str, seed: int = 0):
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_prefill_logits_and_greedy_match_transformers(name):
-    hf, ours = build(name)
-    h = Harness(ours, hf.config)
+    hf, ours = build(name, device=DEVICE)
+    h = Harness(ours, hf.config, device=DEVICE)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 300, (40,), generator=g).tolist()  # longer than the windows (12)
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0]
     got, _ = h.prefill_logits(prompt)
-    assert (got - ref).abs().max().item() < 1e-3
+    assert (got.cpu() - ref).abs().max().item() < 1e-3
     with torch.no_grad():
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
                            attention_mask=torch.ones(1, 40, dtype=torch.long))[0, 40:].tolist()
     assert h.greedy(prompt, 32) == want
 
 
-@pytest.mark.parametrize("name", ["mistral", "qwen3"])
+@pytest.mark.parametrize("name", ["mistral", "qwen3", "gemma2", "gemma3", "cohere2"])
 def test_chunked_prefill_and_prefix_hit_equal_one_prefill(name):
-    hf, ours = build(name)
-    h = Harness(ours, hf.config)
+    hf, ours = build(name, device=DEVICE)
+    h = Harness(ours, hf.config, device=DEVICE)
     prompt = torch.randint(0, 300, (45,), generator=torch.Generator().manual_seed(2)).tolist()
     full, _ = h.prefill_logits(prompt)
     chunked, _ = h.prefill_logits(prompt, chunk=7)
