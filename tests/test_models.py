@@ -13,6 +13,8 @@ transformers = pytest.importorskip("transformers")
 
 COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
               head_dim=16, max_position_embeddings=512)
+# eos_token_id=None for the three below: their default ids (1 for Gemma, out of the vocabulary for
+# Cohere) would end HF's generate() early on some prompts, or warn.
 CONFIGS = {
     "llama": ("LlamaConfig", "workers.models.llama:LlamaForCausalLM",
               dict(num_hidden_layers=3, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -25,17 +27,19 @@ CONFIGS = {
     # Alternating sliding/full (sliding first); caps small enough that the tanh bends the scores
     # and the logits of these tiny random weights; eager attention, the one HF soft-caps in.
     "gemma2": ("Gemma2Config", "workers.models.gemma2:Gemma2ForCausalLM",
-               dict(num_hidden_layers=4, sliding_window=12, query_pre_attn_scalar=24, attn_logit_softcapping=0.5,
-                    final_logit_softcapping=0.5, attn_implementation="eager")),
+               dict(num_hidden_layers=4, sliding_window=12, query_pre_attn_scalar=24, attn_logit_softcapping=0.25,
+                    final_logit_softcapping=1.0, attn_implementation="eager", eos_token_id=None)),
     # 5 sliding : 1 full, each type its own RoPE base (the full one linearly scaled, as the 4B+ models).
     "gemma3": ("Gemma3TextConfig", "workers.models.gemma3:Gemma3ForCausalLM",
                dict(num_hidden_layers=6, sliding_window=12, sliding_window_pattern=6, query_pre_attn_scalar=24,
+                    eos_token_id=None,
                     rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                      "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                         "rope_theta": 1000000.0}})),
-    # 3 sliding (with interleaved RoPE) : 1 full (no RoPE), parallel block, LayerNorm, logit_scale.
+    # 3 sliding (with interleaved RoPE) : 1 full (no RoPE), parallel block, LayerNorm, logit_scale;
+    # larger init so that the greedy continuation does not collapse onto a few repeated tokens.
     "cohere2": ("Cohere2Config", "workers.models.cohere2:Cohere2ForCausalLM",
-                dict(num_hidden_layers=4, sliding_window=12)),
+                dict(num_hidden_layers=4, sliding_window=12, initializer_range=0.1, eos_token_id=None)),
 }
 
 

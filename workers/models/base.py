@@ -74,10 +74,10 @@ class DecoderForCausalLM(nn.Module):
         for ckpt_name, tensor in weights:
             if ckpt_name.startswith(self.ignored_prefixes) or "rotary_emb.inv_freq" in ckpt_name:
                 continue
-            if self.tie_word_embeddings and ckpt_name == "lm_head.weight":
+            name, shard = self.checkpoint_to_param(ckpt_name)
+            if self.tie_word_embeddings and name == "lm_head.weight":  # (after any renaming)
                 loaded.add(ckpt_name)
                 continue
-            name, shard = self.checkpoint_to_param(ckpt_name)
             param = params.get(name)
             if param is None:
                 raise ValueError(f"checkpoint tensor {ckpt_name} has no place in {type(self).__name__}")

@@ -90,6 +90,8 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     attention_cls = LlamaAttention
+    mlp_cls = LlamaMLP
+    gemma_norm = False  # the layer norms scale by (1 + weight)
 
     def __init__(self, config, layer_idx: int, kind: str, tp, dtype, device, rope_cache) -> None:
         super().__init__()
@@ -97,9 +99,9 @@ class LlamaDecoderLayer(nn.Module):
         eps = config.rms_norm_eps
         self.self_attn = self.attention_cls(config, layer_idx, kind, tp, dtype, device, f"{prefix}.self_attn",
                                             rope_cache)
-        self.mlp = LlamaMLP(config, tp, dtype, device, f"{prefix}.mlp", bool(getattr(config, "mlp_bias", False)))
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+        self.mlp = self.mlp_cls(config, tp, dtype, device, f"{prefix}.mlp", bool(getattr(config, "mlp_bias", False)))
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device, gemma=self.gemma_norm)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device, gemma=self.gemma_norm)
 
     def forward(self, positions, x, residual, meta):
         if residual is None:
@@ -139,6 +141,7 @@ def layer_kinds(config) -> list[str]:
 
 class LlamaForCausalLM(DecoderForCausalLM):
     decoder_layer_cls = LlamaDecoderLayer
+    model_cls = DecoderModel  # a subclass may change the embedding (Gemma scales it)
 
     def __init__(self, config, tp: TPGroup, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -147,7 +150,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
         kinds = layer_kinds(config)
         caches = self.rope_caches(config, kinds, device)
         layers = [self.decoder_layer_cls(config, i, kind, tp, dtype, device, caches[i]) for i, kind in enumerate(kinds)]
-        self.model = DecoderModel(config, layers, tp, dtype, device, self.final_norm(config, dtype, device))
+        self.model = self.model_cls(config, layers, tp, dtype, device, self.final_norm(config, dtype, device))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype, device, "lm_head")
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -1,0 +1,88 @@
+"""Gemma-2: Llama's layers with
+
+* the embedding scaled by sqrt(hidden), the factor rounded to the embedding dtype as HF does;
+* Gemma's RMSNorm, x_normed * (1 + weight), everywhere;
+* four norms per layer ("sandwich"): the attention and MLP outputs are each normed before they
+  join the residual stream (post_attention / post_feedforward), the MLP input by its own
+  pre_feedforward norm;
+* a GELU-tanh MLP (`hidden_activation`);
+* attention scale `query_pre_attn_scalar ** -0.5` and tanh soft-capping of the attention scores
+  (`attn_logit_softcapping`) and of the final logits (`final_logit_softcapping`);
+* sliding and full layers alternating (sliding first), as the config's `layer_types` says;
+* tied input/output embeddings.
+"""
+from __future__ import annotations
+
+import torch
+
+from workers.layers.attention import AttentionMetadata
+from workers.models.llama import (DecoderModel, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP,
+                                  RMSNorm)
+from workers.ops import act_and_mul
+
+
+class GemmaMLP(LlamaMLP):
+    """HF's Gemma reads `hidden_activation` (older configs also carry a `hidden_act` it ignores)."""
+
+    def __init__(self, config, tp, dtype, device, prefix: str, bias: bool = False) -> None:
+        super().__init__(config, tp, dtype, device, prefix, bias)
+        self.act = act_and_mul(getattr(config, "hidden_activation", None) or config.hidden_act)
+
+
+class Gemma2Attention(LlamaAttention):
+    gemma_norm = True
+
+    def scale(self, config) -> float:
+        return config.query_pre_attn_scalar ** -0.5
+
+    def softcap(self, config) -> float:
+        return float(getattr(config, "attn_logit_softcapping", None) or 0.0)
+
+
+class Gemma2DecoderLayer(LlamaDecoderLayer):
+    attention_cls = Gemma2Attention
+    mlp_cls = GemmaMLP
+    gemma_norm = True
+
+    def __init__(self, config, layer_idx: int, kind: str, tp, dtype, device, rope_cache) -> None:
+        super().__init__(config, layer_idx, kind, tp, dtype, device, rope_cache)
+        eps = config.rms_norm_eps
+        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, dtype, device, gemma=True)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, dtype, device, gemma=True)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata):
+        """HF: r += post_attn_norm(attn(input_norm(r))); r += post_ff_norm(mlp(pre_ff_norm(r))).
+        Here `x + residual` is the stream, the pending addition fused into the next norm."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.post_attention_layernorm(self.self_attn(positions, h, meta))
+        h, residual = self.pre_feedforward_layernorm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
+
+
+class GemmaDecoderModel(DecoderModel):
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        # HF: embedding * tensor(hidden ** 0.5) cast to the embedding dtype (bf16 rounds it).
+        return x * torch.tensor(self.embed_tokens.hidden ** 0.5, dtype=x.dtype, device=x.device)
+
+
+def softcap_logits(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(logits / cap), in HF's order of operations; identity without a cap."""
+    if not cap:
+        return logits
+    return torch.tanh(logits / cap) * cap
+
+
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    decoder_layer_cls = Gemma2DecoderLayer
+    model_cls = GemmaDecoderModel
+
+    def final_norm(self, config, dtype, device):
+        return RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device, gemma=True)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return softcap_logits(super().compute_logits(hidden), getattr(self.config, "final_logit_softcapping", None))
