@@ -56,6 +56,8 @@ class DecoderForCausalLM(nn.Module):
                 for fused, part, shard in STACKED:
                     if path.endswith(fused):
                         shapes[f"{path[: -len(fused)]}{part}.weight"] = module.part_shapes(shard)
+                        if module.bias is not None:
+                            shapes[f"{path[: -len(fused)]}{part}.bias"] = module.part_shapes(shard)[:1]
                 continue
             full = getattr(module, "full_shapes", None)
             if full is not None:
