@@ -23,33 +23,41 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, folder: str) -> None:
+def _worker(rank: int, world: int, port: int, folder: str, backend: str = "gloo") -> None:
     import importlib
 
     from safetensors.torch import load_file
 
     from tests.model_harness import Harness
     from workers.parallel import init_tp_group
-    tp = init_tp_group(rank, world, f"tcp://127.0.0.1:{port}", "gloo")
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    tp = init_tp_group(rank, world, f"tcp://127.0.0.1:{port}", backend)
     results = {}
     for name in ARCHS:
         config = getattr(importlib.import_module("transformers"), CONFIGS[name][0]).from_pretrained(
             os.path.join(folder, name))
         module, cls = CONFIGS[name][1].split(":")
-        ours = getattr(importlib.import_module(module), cls)(config, tp, torch.float32, torch.device("cpu"))
+        ours = getattr(importlib.import_module(module), cls)(config, tp, torch.float32, device)
         state = load_file(os.path.join(folder, name, "model.safetensors"))
         loaded = ours.load_weights(state.items())
         assert ours.missing_weights(loaded) == [], name
-        h = Harness(ours, config, tp)
+        h = Harness(ours, config, tp, device=str(device))
         prompt = json.load(open(os.path.join(folder, "prompt.json")))
         logits, _ = h.prefill_logits(prompt)
-        results[name] = {"logits": logits.tolist(), "greedy": h.greedy(prompt, 32)}
+        results[name] = {"logits": logits.cpu().tolist(), "greedy": h.greedy(prompt, 32)}
     if rank == 0:
         json.dump(results, open(os.path.join(folder, "tp_results.json"), "w"))
     torch.distributed.destroy_process_group()
 
 
-def test_tp2_matches_transformers(tmp_path):
+BACKENDS = ["gloo"] + (["nccl"] if torch.cuda.device_count() >= 2 else [])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tp2_matches_transformers(tmp_path, backend):
     prompt = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     json.dump(prompt, open(tmp_path / "prompt.json", "w"))
     refs = {}
@@ -60,7 +68,8 @@ def test_tp2_matches_transformers(tmp_path):
             refs[name] = (hf(torch.tensor([prompt])).logits[0],
                           hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
                                       attention_mask=torch.ones(1, 40, dtype=torch.long))[0, 40:].tolist())
-    mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True, start_method="spawn")
+    mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path), backend), nprocs=2, join=True,
+                       start_method="spawn")
     got = json.load(open(tmp_path / "tp_results.json"))
     for name in ARCHS:
         assert (torch.tensor(got[name]["logits"]) - refs[name][0]).abs().max().item() < 1e-3, name
