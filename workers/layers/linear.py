@@ -18,7 +18,20 @@ def _check_shape(name: str, got: torch.Size, want: tuple[int, ...]) -> None:
         raise ValueError(f"{name}: checkpoint tensor has shape {tuple(got)}, expected {tuple(want)}")
 
 
-class ColumnParallelLinear(nn.Module):
+class _ParallelLinear(nn.Module):
+    in_features: int
+    out_features: int
+    bias: nn.Parameter | None
+
+    def full_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shapes of the unsharded checkpoint tensors."""
+        out = {"weight": (self.out_features, self.in_features)}
+        if self.bias is not None:
+            out["bias"] = (self.out_features,)
+        return out
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """y = x W^T, W split by output rows; each rank keeps its slice of the output."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup, dtype: torch.dtype,
@@ -29,12 +42,6 @@ class ColumnParallelLinear(nn.Module):
         self.out_start, self.out_size = start, size
         self.weight = nn.Parameter(torch.empty(size, in_features, dtype=dtype, device=device), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(size, dtype=dtype, device=device), requires_grad=False) if bias else None
-
-    def full_shapes(self) -> dict[str, tuple[int, ...]]:
-        out = {"weight": (self.out_features, self.in_features)}
-        if self.bias is not None:
-            out["bias"] = (self.out_features,)
-        return out
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard: str | None = None) -> None:
         _check_shape(self.name, full.shape, (self.out_features,) + tuple(param.shape[1:]))
@@ -103,7 +110,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         return qkv.split([self.q_heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """y = x W^T with W split by input columns: partial sums all-reduced across ranks (the one
     collective after attention and after the MLP); the bias is added once, after the sum."""
 
@@ -116,12 +123,6 @@ class RowParallelLinear(nn.Module):
                                    requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) \
             if bias else None
-
-    def full_shapes(self) -> dict[str, tuple[int, ...]]:
-        out = {"weight": (self.out_features, self.in_features)}
-        if self.bias is not None:
-            out["bias"] = (self.out_features,)
-        return out
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard: str | None = None) -> None:
         if param.dim() == 1:  # bias: replicated
