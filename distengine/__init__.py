@@ -1,3 +1,21 @@
-"""distengine: a distributed, tensor-parallel inference engine for hybrid LLMs."""
+"""distengine: a distributed, tensor-parallel inference engine for hybrid LLMs.
+
+`from distengine import LLM, SamplingParams`: imported lazily, so that the light parts (the KV
+cache plan, `distengine kv-plan`) do not pull in torch, transformers and Ray.
+"""
 
 __version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from distengine.llm import LLM
+        return LLM
+    if name == "SamplingParams":
+        from distengine.sampling_params import SamplingParams
+        return SamplingParams
+    if name in ("RequestOutput", "CompletionOutput"):
+        from distengine import outputs
+        return getattr(outputs, name)
+    raise AttributeError(f"module 'distengine' has no attribute {name!r}")

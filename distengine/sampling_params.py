@@ -1,0 +1,253 @@
+"""User-facing sampling parameters (vLLM-compatible subset).
+
+`SamplingParams` validates itself on construction (``__post_init__``) and raises ``ValueError``
+messages that start with the offending field's name, worded as vLLM's ``_verify_args`` words
+them.  `to_worker_dict` gives the plain, msgpack-serialisable dict that the worker-side sampler
+(`workers.sampler.SamplingTensors.build`) takes.
+
+Normalisations (as vLLM's ``__post_init__``):
+
+* ``stop``: ``None`` -> ``[]``, a string -> ``[string]``;
+* ``stop_token_ids``: ``None`` -> ``[]``, duplicates removed (first occurrence kept);
+* ``seed == -1`` -> ``None``; ``logprobs is True`` -> ``1``;
+* greedy (``temperature < 1e-5``): ``top_p = 1.0``, ``top_k = 0``, ``min_p = 0.0``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from numbers import Integral, Real
+from typing import Any
+
+__all__ = ["SamplingParams", "SAMPLING_EPS"]
+
+SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
+
+_INT64_MIN = -(1 << 63)
+_INT64_MAX = (1 << 63) - 1
+_MASK64 = (1 << 64) - 1
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, Integral) and not isinstance(v, bool)
+
+
+def _is_real(v: Any) -> bool:
+    return isinstance(v, Real) and not isinstance(v, bool)
+
+
+@dataclass
+class SamplingParams:
+    """Sampling parameters for one request (see vLLM's ``SamplingParams``).
+
+    n: completions per prompt (only 1 supported for now).
+    temperature: 0 (or < 1e-5) = greedy.
+    top_p: nucleus probability in (0, 1]; 1 = off.
+    top_k: 0 or -1 = off, else keep the k most likely tokens.
+    min_p: in [0, 1]; drop tokens with prob < min_p * max prob; 0 = off.
+    presence_penalty / frequency_penalty: in [-2, 2]; 0 = off.
+    repetition_penalty: > 0; 1 = off.
+    max_tokens: >= 1, or None = up to the model's max_model_len.
+    min_tokens: EOS / stop_token_ids are not honoured before this many output tokens.
+    stop: stop strings (the output text ends before the first one, unless
+        include_stop_str_in_output).
+    stop_token_ids: extra token ids that end the request (the token is kept in token_ids).
+    ignore_eos: keep generating past EOS.
+    seed: per-request seed (None = engine's generator).
+    logprobs: None = none; k >= 0 = the sampled token's logprob plus the top-k; -1 = whole vocab.
+    include_stop_str_in_output: keep the matched stop string in the text.
+    skip_special_tokens: drop special tokens from the detokenised text.
+    """
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    # ------------------------------------------------------------------ validation
+    def __post_init__(self) -> None:
+        # Normalise first (as vLLM), then verify.
+        if self.seed == -1 and _is_int(self.seed):
+            self.seed = None
+        if self.logprobs is True:
+            self.logprobs = 1
+
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop = list(self.stop)
+        else:
+            raise ValueError(
+                f"stop must be a string or a list of strings, got {type(self.stop).__name__}.")
+
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple, set, frozenset)):
+            self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
+        else:
+            raise ValueError(f"stop_token_ids must be a list of integers, got "
+                             f"{type(self.stop_token_ids).__name__}.")
+
+        self._verify_args()
+
+        # Canonical Python scalars (msgpack-friendly, no numpy scalars leaking through).
+        self.n = int(self.n)
+        self.temperature = float(self.temperature)
+        self.top_p = float(self.top_p)
+        self.top_k = int(self.top_k)
+        self.min_p = float(self.min_p)
+        self.presence_penalty = float(self.presence_penalty)
+        self.frequency_penalty = float(self.frequency_penalty)
+        self.repetition_penalty = float(self.repetition_penalty)
+        if self.max_tokens is not None:
+            self.max_tokens = int(self.max_tokens)
+        self.min_tokens = int(self.min_tokens)
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        if self.seed is not None:
+            self.seed = int(self.seed)
+        if self.logprobs is not None:
+            self.logprobs = int(self.logprobs)
+
+        if self.temperature < SAMPLING_EPS:
+            # Zero temperature means greedy sampling: the truncations are meaningless.
+            self.top_p = 1.0
+            self.top_k = 0
+            self.min_p = 0.0
+
+    def _verify_args(self) -> None:
+        # n
+        if not _is_int(self.n):
+            raise ValueError(f"n must be an int, got {type(self.n).__name__}.")
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}.")
+        if self.n > 1:
+            raise ValueError(f"n > 1 is not supported yet (got n={self.n}); use n=1.")
+        # penalties
+        for name, lo, hi in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0)):
+            v = getattr(self, name)
+            if not _is_real(v):
+                raise ValueError(f"{name} must be a number, got {type(v).__name__}.")
+            if not lo <= v <= hi:  # NaN fails too
+                raise ValueError(f"{name} must be in [-2, 2], got {v}.")
+        rp = self.repetition_penalty
+        if not _is_real(rp):
+            raise ValueError(f"repetition_penalty must be a number, got {type(rp).__name__}.")
+        if not math.isfinite(rp):
+            raise ValueError(f"repetition_penalty must be a finite number, got {rp}.")
+        if rp <= 0.0:
+            raise ValueError(f"repetition_penalty must be greater than zero, got {rp}.")
+        # temperature
+        t = self.temperature
+        if not _is_real(t):
+            raise ValueError(f"temperature must be a number, got {type(t).__name__}.")
+        if not math.isfinite(t):
+            raise ValueError(f"temperature must be a finite number, got {t}.")
+        if t < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {t}.")
+        # top_p / top_k / min_p
+        if not _is_real(self.top_p):
+            raise ValueError(f"top_p must be a number, got {type(self.top_p).__name__}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if not _is_int(self.top_k):
+            raise ValueError(f"top_k must be an integer, got {type(self.top_k).__name__}.")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")
+        if not _is_real(self.min_p):
+            raise ValueError(f"min_p must be a number, got {type(self.min_p).__name__}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        # lengths
+        if self.max_tokens is not None:
+            if not _is_int(self.max_tokens):
+                raise ValueError(f"max_tokens must be an integer or None, got "
+                                 f"{type(self.max_tokens).__name__}.")
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if not _is_int(self.min_tokens):
+            raise ValueError(f"min_tokens must be an integer, got "
+                             f"{type(self.min_tokens).__name__}.")
+        if self.min_tokens < 0:
+            raise ValueError(
+                f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be less than or equal to "
+                             f"max_tokens={self.max_tokens}, got {self.min_tokens}.")
+        # logprobs
+        if self.logprobs is not None:
+            if not _is_int(self.logprobs):
+                raise ValueError(f"logprobs must be an integer or None, got "
+                                 f"{type(self.logprobs).__name__}.")
+            if self.logprobs != -1 and self.logprobs < 0:
+                raise ValueError(f"logprobs must be non-negative or -1, got {self.logprobs}.")
+        # seed
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {type(self.seed).__name__}.")
+        # stop / stop_token_ids
+        if not all(_is_int(t) for t in self.stop_token_ids):
+            raise ValueError(
+                f"stop_token_ids must contain only integers, got {self.stop_token_ids}.")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(
+                f"stop_token_ids must contain only non-negative integers, got "
+                f"{self.stop_token_ids}.")
+        if not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must contain only strings, got {self.stop!r}.")
+        if any(not s for s in self.stop):
+            raise ValueError("stop cannot contain an empty string.")
+        # flags
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}.")
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def output_text_buffer_length(self) -> int:
+        """Characters a streaming caller must hold back so that a stop string that may still be
+        completing never reaches the user (vLLM's ``output_text_buffer_length``)."""
+        if self.stop and not self.include_stop_str_in_output:
+            return max(len(s) for s in self.stop) - 1
+        return 0
+
+    def to_worker_dict(self) -> dict:
+        """The per-request dict the worker sampler takes (`SamplingTensors.build`): plain Python
+        scalars only, so it serialises with msgpack.  The seed is reduced to its low 64 bits as
+        a signed int64 (what the worker uses anyway), so any Python int travels."""
+        seed = self.seed
+        if seed is not None and not (_INT64_MIN <= seed <= _INT64_MAX):
+            seed &= _MASK64
+            if seed >= 1 << 63:
+                seed -= 1 << 64
+        return {
+            "temperature": self.temperature,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
+            "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "seed": seed,
+            "logprobs": self.logprobs,
+        }
+
+    def clone(self) -> "SamplingParams":
+        return SamplingParams(**{f.name: (list(v) if isinstance(v := getattr(self, f.name), list)
+                                          else v) for f in fields(self)})
