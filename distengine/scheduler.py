@@ -57,6 +57,7 @@ class SchedulerStats:
     running: int
     waiting: int
     kv_usage: float
+    peak_kv_usage: float
     prefix_cache_hit_rate: float
     preemptions: int
 
@@ -74,6 +75,7 @@ class Scheduler:
         self.running: list[EngineRequest] = []
         self.finished_since_last_step: list[str] = []
         self.num_preemptions = 0
+        self.peak_kv_usage = 0.0
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
@@ -116,7 +118,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting), self.manager.usage,
+        return SchedulerStats(len(self.running), len(self.waiting), self.manager.usage, self.peak_kv_usage,
                               self.manager.prefix_cache_stats.hit_rate, self.num_preemptions)
 
     # ---- one step ------------------------------------------------------------------------
@@ -148,6 +150,7 @@ class Scheduler:
             self.running.append(req)
             scheduled.append((req, n))
             budget -= n
+        self.peak_kv_usage = max(self.peak_kv_usage, self.manager.usage)
         return self._runner_step(scheduled), scheduled
 
     def _preempt(self, req: EngineRequest) -> None:

@@ -8,13 +8,19 @@ from distengine.kv_cache.model_config import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
-    from launch import bench_kernels, bench_kvcache, kv_plan
+    from launch import bench_kernels, bench_kvcache, demo, generate, kv_plan
 
     parser = argparse.ArgumentParser(prog="distengine", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("kv-plan", help="print the hybrid KV cache plan of a model")
     kv_plan.add_arguments(p)
     p.set_defaults(func=kv_plan.run)
+    p = sub.add_parser("demo", help="the engine end to end on a tiny hybrid model built locally")
+    demo.add_arguments(p)
+    p.set_defaults(func=demo.run)
+    p = sub.add_parser("generate", help="print completions of a model")
+    generate.add_arguments(p)
+    p.set_defaults(func=generate.run)
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     p = bench_sub.add_parser("kvcache", help="drive the KV cache manager like the scheduler does")

@@ -76,7 +76,8 @@ class ModelRunner:
             budget = total * gpu_memory_utilization - torch.cuda.max_memory_allocated(self.device) - used_by_others
         else:
             budget = cpu_kv_cache_gib * (1 << 30)
-        n = torch.tensor([max(0, int(budget // self.plan.block_bytes))], dtype=torch.int64)
+        # On the rank's device: an NCCL group reduces CUDA tensors only.
+        n = torch.tensor([max(0, int(budget // self.plan.block_bytes))], dtype=torch.int64, device=self.device)
         if self.tp.world_size > 1:
             torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MIN)
         num_blocks = int(n.item())

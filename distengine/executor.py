@@ -1,0 +1,370 @@
+"""Executors: where the tensor-parallel workers run, and how one step reaches all of them.
+
+`UniprocExecutor` runs one `workers.worker.Worker` in this process (TP=1, no Ray).
+`RayExecutor` runs one Worker actor per rank on a Ray cluster:
+
+* Ray: joins the cluster that is already initialised in this process, else `ray_address` or the
+  environment's `RAY_ADDRESS`, else starts a local one (on CPU with `num_cpus=max(tp, 2)`), which
+  it then also shuts down.
+* A placement group of one bundle per rank (`{"GPU": 1}`, or `{"CPU": 1}` on CPU), strategy PACK
+  (all ranks on as few nodes as possible) or SPREAD. When the cluster cannot hold it, a clear error
+  names what was asked for and what the cluster has: at once on a local cluster started here, after
+  `placement_timeout_s` when joining one (an autoscaler may add nodes meanwhile).
+* One actor per bundle; `torch.distributed` (NCCL on GPUs, gloo on CPU) rendezvouses at the IP of
+  rank 0's node and a free port picked there. Actors get `NCCL_NVLS_ENABLE` (default "0") and a
+  `PYTHONPATH` holding this project.
+* Each step is packed once with msgpack and the same bytes go to every rank; only rank 0's result
+  (the sampled tokens) comes back. A rank that raises or dies, or a step slower than
+  `execute_timeout_s`, marks the executor dead: `EngineDeadError` now and on every later call.
+
+Multi-host cluster (every host needs the project installed, or at the same path as on the driver,
+and the model reachable: a Hugging Face id or the same folder on every host):
+
+    # on the head node
+    ray start --head --port=6379 --num-gpus=N
+    # on every other node
+    ray start --address=HEAD_IP:6379 --num-gpus=N
+    # then, on the head (or any node), run the engine with
+    RAY_ADDRESS=HEAD_IP:6379 python my_script.py      # or RayExecutor(..., ray_address="HEAD_IP:6379")
+
+Use `placement_strategy="SPREAD"` to place the ranks on different nodes. `ray stop` on every node
+ends the cluster. CPU-only (for tests): `--num-cpus 1` instead of `--num-gpus`, and device="cpu".
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import msgpack
+
+import distengine
+
+PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(distengine.__file__)))
+
+
+class EngineDeadError(RuntimeError):
+    """A worker raised or died (or a step timed out): the engine cannot go on. The original error
+    is `__cause__` (and `.cause`)."""
+
+    def __init__(self, message: str, cause: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+class PlacementGroupError(RuntimeError):
+    """The cluster cannot hold one bundle per tensor-parallel rank."""
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+class Executor:
+    """What the engine sees: `num_blocks` (KV cache blocks per rank, the null block included),
+    `plan_info` (plain data), `plan` (the KVCachePlan for the scheduler's KVCacheManager),
+    `execute(step) -> rank 0's result`, `check_health()`, `shutdown()`."""
+
+    num_blocks: int
+    plan_info: dict
+    plan: Any
+    is_dead: bool = False
+    _dead_cause: BaseException | None = None
+    _dead_message: str = ""
+
+    def execute(self, step: dict) -> dict:
+        raise NotImplementedError
+
+    def check_health(self) -> None:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        raise NotImplementedError
+
+    def _raise_if_dead(self) -> None:
+        if self.is_dead:
+            raise EngineDeadError(f"the engine is dead: {self._dead_message}", self._dead_cause) from self._dead_cause
+
+    def _die(self, message: str, cause: BaseException | None) -> EngineDeadError:
+        self.is_dead, self._dead_message, self._dead_cause = True, message, cause
+        err = EngineDeadError(message, cause)
+        err.__cause__ = cause
+        return err
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+class UniprocExecutor(Executor):
+    """One Worker in this process: TP=1, no Ray."""
+
+    def __init__(self, model: str, tensor_parallel_size: int = 1, device: str = "auto", dtype: str = "auto",
+                 block_size: int = 16, max_model_len: int | None = None, max_num_batched_tokens: int = 2048,
+                 gpu_memory_utilization: float = 0.9, num_gpu_blocks_override: int | None = None, seed: int = 0,
+                 cpu_kv_cache_gib: float = 1.0, **_ignored: Any) -> None:
+        from workers.worker import Worker
+        if tensor_parallel_size != 1:
+            raise ValueError(f"UniprocExecutor runs tensor_parallel_size=1 only (got {tensor_parallel_size}); "
+                             "use RayExecutor")
+        self.device = resolve_device(device)
+        self.worker = Worker(0, 1, None, model, self.device, dtype, block_size, max_model_len,
+                             max_num_batched_tokens, seed)
+        self.worker.init()
+        self.worker.load()
+        self.num_blocks = num_gpu_blocks_override if num_gpu_blocks_override is not None else \
+            self.worker.determine_num_blocks(gpu_memory_utilization, cpu_kv_cache_gib)
+        self.worker.allocate_kv_cache(self.num_blocks)
+        self.plan_info = self.worker.plan_info()
+        self.plan = self.worker.get_plan()
+        self._closed = False
+
+    def execute(self, step: dict) -> dict:
+        self._raise_if_dead()
+        if self._closed:
+            raise EngineDeadError("the executor was shut down")
+        packed = msgpack.packb(step)  # the same plain-data contract as the Ray workers
+        try:
+            return self.worker.execute(packed)
+        except Exception as e:  # the runner's state may be half updated: nothing can follow
+            raise self._die(f"the worker raised {type(e).__name__}: {e}", e) from e
+
+    def check_health(self) -> None:
+        self._raise_if_dead()
+
+    def shutdown(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        self.worker.shutdown()
+
+
+class RayExecutor(Executor):
+    def __init__(self, model: str, tensor_parallel_size: int = 1, device: str = "auto", dtype: str = "auto",
+                 block_size: int = 16, max_model_len: int | None = None, max_num_batched_tokens: int = 2048,
+                 gpu_memory_utilization: float = 0.9, num_gpu_blocks_override: int | None = None,
+                 ray_address: str | None = None, placement_strategy: str = "PACK", seed: int = 0,
+                 cpu_kv_cache_gib: float = 1.0, placement_timeout_s: float = 60.0,
+                 startup_timeout_s: float = 900.0, execute_timeout_s: float = 600.0,
+                 health_timeout_s: float = 30.0) -> None:
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from workers.worker import Worker
+
+        if placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+            raise ValueError(f"placement_strategy must be PACK or SPREAD (or STRICT_*), got {placement_strategy!r}")
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        self.tp = tensor_parallel_size
+        self.execute_timeout_s, self.health_timeout_s = execute_timeout_s, health_timeout_s
+        self.actors: list = []
+        self.pg = None
+        self._owns_ray = False
+        self._closed = False
+        self._remove_pg = remove_placement_group
+
+        address = ray_address or os.environ.get("RAY_ADDRESS") or None
+        if not ray.is_initialized():
+            if address:
+                ray.init(address=address, log_to_driver=True)
+            else:
+                kwargs: dict[str, Any] = {"include_dashboard": False}
+                if resolve_device(device) == "cpu":
+                    kwargs.update(num_cpus=max(self.tp, 2), num_gpus=0)
+                ray.init(**kwargs)
+                self._owns_ray = True
+        try:
+            if device == "auto":  # the cluster's GPUs decide, not the driver's
+                device = "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
+            self.device = device
+            kind = "GPU" if device.startswith("cuda") else "CPU"
+            self._kind = kind
+
+            # ---- the placement group ----
+            have = ray.cluster_resources().get(kind, 0)
+            if self._owns_ray and have < self.tp:  # a local cluster cannot grow: say so at once
+                raise PlacementGroupError(self._pg_message(kind, have, None))
+            self.pg = placement_group([{kind: 1}] * self.tp, strategy=placement_strategy)
+            ready, _ = ray.wait([self.pg.ready()], timeout=placement_timeout_s)
+            if not ready:
+                raise PlacementGroupError(self._pg_message(kind, ray.cluster_resources().get(kind, 0),
+                                                           placement_timeout_s, placement_strategy))
+
+            # ---- the actors ----
+            env = {"NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0"),
+                   "PYTHONPATH": os.pathsep.join(p for p in (PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p)}
+            for var in ("TRITON_INTERPRET", "NCCL_DEBUG", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "HF_HOME",
+                        "HF_HUB_OFFLINE"):
+                if var in os.environ:
+                    env[var] = os.environ[var]
+            resources = {"num_gpus": 1, "num_cpus": 0} if kind == "GPU" else {"num_cpus": 1}
+            remote_cls = ray.remote(**resources)(Worker)
+            for rank in range(self.tp):
+                strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank,
+                                                            placement_group_capture_child_tasks=True)
+                self.actors.append(remote_cls.options(scheduling_strategy=strategy, runtime_env={"env_vars": env},
+                                                      name=None).remote(
+                    rank, self.tp, None, model, device, dtype, block_size, max_model_len,
+                    max_num_batched_tokens, seed))
+
+            # ---- torch.distributed, the model, the KV cache ----
+            t = startup_timeout_s
+            ip, port = self._gather([self.actors[0].node_address.remote()], t, "starting")[0]
+            self.init_method = f"tcp://{_bracket(ip)}:{port}"
+            self._gather([a.init.remote(self.init_method) for a in self.actors], t, "joining torch.distributed")
+            self._gather([a.load.remote() for a in self.actors], t, "loading the model")
+            if num_gpu_blocks_override is not None:
+                self.num_blocks = int(num_gpu_blocks_override)
+            else:  # a collective: every rank at once
+                self.num_blocks = min(self._gather([a.determine_num_blocks.remote(gpu_memory_utilization,
+                                                                                  cpu_kv_cache_gib)
+                                                    for a in self.actors], t, "sizing the KV cache"))
+            self._gather([a.allocate_kv_cache.remote(self.num_blocks) for a in self.actors], t,
+                         "allocating the KV cache")
+            self.plan_info, self.plan = self._gather([self.actors[0].plan_info.remote(),
+                                                      self.actors[0].get_plan.remote()], t, "reading the plan")
+        except BaseException as e:
+            self.shutdown()
+            if isinstance(e, WorkerError) and e.user_error is not None:
+                raise e.user_error from e
+            raise
+
+    # ---- helpers --------------------------------------------------------------------------
+    def _pg_message(self, kind: str, have: float, timeout: float | None, strategy: str = "PACK") -> str:
+        import ray
+        avail = ray.available_resources().get(kind, 0)
+        nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+        unit = "GPUs" if kind == "GPU" else "CPUs"
+        waited = f" within {timeout:g} s" if timeout is not None else ""
+        hint = ("start more nodes (see distengine.executor's docstring), lower tensor_parallel_size"
+                if kind == "GPU" else "lower tensor_parallel_size")
+        extra = f"; strategy {strategy} over {nodes} alive node(s)" if strategy != "PACK" else ""
+        return (f"cannot place {self.tp} tensor-parallel workers: asked for {self.tp} {unit} "
+                f"(one bundle {{'{kind}': 1}} per rank) but the Ray cluster has {have:g} {unit} in total "
+                f"({avail:g} available now){extra}; the placement group was not satisfied{waited}. "
+                f"Free the cluster's {unit}, {hint}.")
+
+    def _gather(self, refs: list, timeout: float, what: str) -> list:
+        """ray.get of every ref, failing on the first error as soon as it arrives (a rank that
+        raised leaves the others blocked in a collective: waiting for them would hang)."""
+        import ray
+        index = {r: i for i, r in enumerate(refs)}
+        results: list = [None] * len(refs)
+        pending = list(refs)
+        deadline = time.monotonic() + timeout
+        while pending:
+            left = deadline - time.monotonic()
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, left)) if left > 0 else ([], pending)
+            if not ready:
+                raise WorkerError(f"timed out after {timeout:g} s {what}: rank(s) "
+                                    f"{sorted(index[r] for r in pending)} did not answer")
+            for r in ready:
+                try:
+                    results[index[r]] = ray.get(r)
+                except Exception as e:  # noqa: BLE001 - RayTaskError, RayActorError...
+                    user = getattr(e, "cause", None) if isinstance(e, ray.exceptions.RayTaskError) else None
+                    if not isinstance(user, Exception) or isinstance(user, ray.exceptions.RayError):
+                        user = None
+                    err = WorkerError(f"worker rank {index[r]} failed while {what}: {_short(e)}", user)
+                    err.__cause__ = e
+                    raise err from e
+        return results
+
+    # ---- the step -------------------------------------------------------------------------
+    def execute(self, step: dict) -> dict:
+        self._raise_if_dead()
+        if self._closed:
+            raise EngineDeadError("the executor was shut down")
+        packed = msgpack.packb(step)  # once; the same bytes to every rank
+        refs = [a.execute.remote(packed) for a in self.actors]
+        try:
+            return self._gather(refs, self.execute_timeout_s, "executing a step")[0]
+        except WorkerError as e:
+            raise self._die(str(e), e.__cause__ or e) from (e.__cause__ or e)
+
+    def check_health(self) -> None:
+        self._raise_if_dead()
+        if self._closed:
+            raise EngineDeadError("the executor was shut down")
+        try:
+            self._gather([a.ping.remote() for a in self.actors], self.health_timeout_s, "answering a ping")
+        except WorkerError as e:
+            raise self._die(str(e), e.__cause__ or e) from (e.__cause__ or e)
+
+    def shutdown(self) -> None:
+        """Ends every actor, frees the placement group, and stops Ray if this executor started
+        it. Idempotent; works on a dead executor."""
+        if self._closed:
+            return
+        self._closed = True
+        import ray
+        if not ray.is_initialized():
+            return
+        if self.actors and not self.is_dead:  # a clean goodbye to torch.distributed first
+            try:
+                refs = [a.shutdown.remote() for a in self.actors]
+                ray.wait(refs, num_returns=len(refs), timeout=5.0)
+            except Exception:  # noqa: BLE001
+                pass
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
+        self.actors = []
+        if self.pg is not None:
+            try:
+                self._remove_pg(self.pg)
+            except Exception:  # noqa: BLE001
+                pass
+            self.pg = None
+        if self._owns_ray:
+            ray.shutdown()
+
+    def __del__(self) -> None:  # best effort; call shutdown() explicitly
+        try:
+            if not getattr(self, "_closed", True):
+                self.shutdown()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def create_executor(tensor_parallel_size: int = 1, use_ray: bool | None = None, **kwargs: Any) -> Executor:
+    """RayExecutor when asked, when TP > 1 or when a Ray address is given; else UniprocExecutor."""
+    if use_ray is None:
+        use_ray = tensor_parallel_size > 1 or bool(kwargs.get("ray_address") or os.environ.get("RAY_ADDRESS"))
+    if use_ray:
+        return RayExecutor(tensor_parallel_size=tensor_parallel_size, **kwargs)
+    kwargs.pop("ray_address", None)
+    kwargs.pop("placement_strategy", None)
+    return UniprocExecutor(tensor_parallel_size=tensor_parallel_size, **kwargs)
+
+
+class WorkerError(RuntimeError):
+    """A rank failed or timed out while the engine was starting (when the rank raised an ordinary
+    exception, e.g. KVCacheTooSmallError or a ValueError about the model, that one is raised
+    instead, with this as its cause)."""
+
+    def __init__(self, message: str, user_error: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.user_error = user_error
+
+
+def _short(e: BaseException) -> str:
+    """The last line of a remote traceback is the error itself."""
+    text = str(e).strip()
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    if len(lines) > 1:
+        return f"{type(e).__name__}: {lines[-1].strip()}"
+    return f"{type(e).__name__}: {text}"
+
+
+def _bracket(ip: str) -> str:
+    return f"[{ip}]" if ":" in ip else ip

@@ -1,0 +1,122 @@
+"""`LLM` end to end on CPU against transformers' generate(): every architecture at TP=1; prefix
+caching on and off; a pool so small that requests are preempted; a token budget so small that
+prompts are chunked; bad input."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distengine import LLM, SamplingParams
+from tests.test_models import CONFIGS, build
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def _folder(tmp_path_factory, name):
+    hf, _ = build(name)
+    folder = tmp_path_factory.mktemp(name)
+    hf.save_pretrained(folder)
+    return hf, str(folder)
+
+
+def _prompts(n=4, shared=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    system = torch.randint(0, 300, (shared,), generator=g).tolist()
+    return [system + torch.randint(0, 300, (5 + 3 * i,), generator=g).tolist() for i in range(n)]
+
+
+def _hf_greedy(hf, prompt, n):
+    with torch.no_grad():
+        return hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                           attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    return _folder(tmp_path_factory, "qwen3")
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_greedy_equals_transformers(tmp_path_factory, name):
+    hf, folder = _folder(tmp_path_factory, name)
+    prompts = _prompts()
+    with LLM(folder, device="cpu", dtype="float32", block_size=4, max_model_len=128) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == _hf_greedy(hf, p, 12)
+        assert o.finished and o.outputs[0].finish_reason == "length" and o.prompt_token_ids == p
+
+
+def test_prefix_caching_preemption_and_chunking_change_nothing(qwen3):
+    hf, folder = qwen3
+    prompts = [{"prompt_token_ids": p} for p in _prompts(6, shared=40)]
+    with LLM(folder, device="cpu", dtype="float32", block_size=4, max_model_len=128) as llm:
+        base = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert base[0].num_cached_tokens == 0 and base[1].num_cached_tokens >= 40 - 4
+    runs = {
+        "no prefix caching": dict(enable_prefix_caching=False),
+        "tiny pool (preemption)": dict(num_gpu_blocks_override=40),
+        "tiny token budget (chunked prefill)": dict(max_num_batched_tokens=16),
+    }
+    for what, kw in runs.items():
+        with LLM(folder, device="cpu", dtype="float32", block_size=4, max_model_len=128, **kw) as llm:
+            outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+            if "preemption" in what:
+                assert llm.stats().preemptions > 0, what
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base], what
+
+
+def test_bad_input_is_refused_cleanly(qwen3):
+    _, folder = qwen3
+    with LLM(folder, device="cpu", dtype="float32", block_size=4, max_model_len=64) as llm:
+        with pytest.raises(ValueError, match=r"70 tokens.*max_model_len is 64"):
+            llm.generate([{"prompt_token_ids": [1] * 10}, {"prompt_token_ids": [1] * 70}], GREEDY, use_tqdm=False)
+        with pytest.raises(ValueError, match="no tokenizer"):
+            llm.generate("hello", GREEDY, use_tqdm=False)
+        with pytest.raises(ValueError, match="temperature"):
+            SamplingParams(temperature=-1)
+        assert llm.scheduler.manager.num_free_blocks == llm.scheduler.manager.pool.num_blocks - 1
+        assert not llm.scheduler.has_unfinished()
+        # The engine still works after refusing bad input.
+        out = llm.generate({"prompt_token_ids": [3, 4, 5]}, SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 3
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen2"])
+def test_tp2_on_ray_equals_transformers(tmp_path_factory, ray_cluster, name):
+    hf, folder = _folder(tmp_path_factory, name)
+    prompts = _prompts(3)
+    with LLM(folder, tensor_parallel_size=2, device="cpu", dtype="float32", block_size=4, max_model_len=128) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == _hf_greedy(hf, p, 12)
+
+
+def test_killed_worker_makes_generate_raise(qwen3, ray_cluster):
+    import time
+
+    from distengine.executor import EngineDeadError
+    _, folder = qwen3
+    llm = LLM(folder, tensor_parallel_size=2, device="cpu", dtype="float32", block_size=4, max_model_len=128)
+    try:
+        llm.generate({"prompt_token_ids": [1, 2, 3]}, GREEDY, use_tqdm=False)
+        ray_cluster.kill(llm.executor.actors[1])
+        t = time.perf_counter()
+        with pytest.raises(EngineDeadError):
+            llm.generate([{"prompt_token_ids": p} for p in _prompts(2)], GREEDY, use_tqdm=False)
+        assert time.perf_counter() - t < 30
+        with pytest.raises(EngineDeadError):  # and it stays dead
+            llm.generate({"prompt_token_ids": [1, 2]}, GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
