@@ -142,6 +142,7 @@ class UniprocExecutor(Executor):
             return
         self._closed = True
         self.worker.shutdown()
+        self.worker = None
 
 
 class RayExecutor(Executor):

@@ -101,7 +101,14 @@ class Worker:
         return os.getpid()
 
     def shutdown(self) -> None:
+        import gc
+
+        import torch
         import torch.distributed as dist
         self.runner = None
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+        # An in-process worker outlives its engine: give the weights and the KV cache back now.
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
