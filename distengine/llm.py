@@ -28,7 +28,8 @@ class LLM:
                  block_size: int = 16, max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
                  num_gpu_blocks_override: int | None = None, enable_prefix_caching: bool = True,
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, seed: int = 0,
-                 ray_address: str | None = None, tokenizer: str | None = None) -> None:
+                 ray_address: str | None = None, tokenizer: str | None = None,
+                 placement_strategy: str = "PACK") -> None:
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
         if not 0 < gpu_memory_utilization <= 1:
@@ -47,7 +48,7 @@ class LLM:
                       seed=seed)
         self.executor: Executor = (UniprocExecutor(**kwargs) if tensor_parallel_size == 1 and ray_address is None
                                    else RayExecutor(tensor_parallel_size=tensor_parallel_size, ray_address=ray_address,
-                                                    **kwargs))
+                                                    placement_strategy=placement_strategy, **kwargs))
         self.scheduler = Scheduler(self.plan, self.executor.num_blocks, max_num_seqs, batched, enable_prefix_caching)
         self.tokenizer = self._load_tokenizer(tokenizer or str(path))
         self.eos_token_ids = self._eos_ids(path, config)
@@ -171,12 +172,16 @@ class LLM:
             result = self.executor.execute(step)
             tokens = result.get("token_ids", [])
             samplers = [req for req, n in scheduled if req.num_computed_tokens + n == req.num_tokens]
-            logprobs = result.get("logprobs")
+            logprobs, top_lp, top_ids = result.get("logprobs"), result.get("top_logprobs"), result.get("top_token_ids")
             finished = sched.update(scheduled, tokens)
             for k, (req, token) in enumerate(zip(samplers, tokens)):
                 out_tokens += 1
                 if req.logprobs is not None and logprobs is not None:
-                    req.logprobs.append({token: logprobs[k]})
+                    # vLLM's shape: per position, the sampled token and the top-k, token -> logprob.
+                    entry = {token: logprobs[k]}
+                    if top_ids is not None and req.sampling.logprobs:
+                        entry.update(zip(top_ids[k][:req.sampling.logprobs], top_lp[k][:req.sampling.logprobs]))
+                    req.logprobs.append(entry)
                 new_text = req.detok.append([token])
                 req.text += new_text
                 sp = req.sampling

@@ -120,3 +120,30 @@ def test_killed_worker_makes_generate_raise(qwen3, ray_cluster):
             llm.generate({"prompt_token_ids": [1, 2]}, GREEDY, use_tqdm=False)
     finally:
         llm.shutdown()
+
+
+def test_chat_text_stop_strings_and_logprobs(tmp_path):
+    """A model with a real (tiny, local) tokenizer and a chat template: text prompts, chat(),
+    stop strings cut the text, logprobs hold the sampled token and the top-k."""
+    from launch.demo import build_model
+    from transformers import AutoTokenizer
+    build_model(str(tmp_path))
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}assistant :"
+    tok.save_pretrained(str(tmp_path))
+    with LLM(str(tmp_path), device="cpu", dtype="float32", block_size=16, max_model_len=256) as llm:
+        greedy = llm.generate("what is water", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0]
+        assert greedy.text == tok.decode(greedy.token_ids)
+        stop_word = greedy.text.split()[2]
+        cut = llm.generate("what is water", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                           stop=[stop_word]), use_tqdm=False)[0].outputs[0]
+        assert cut.finish_reason == "stop" and cut.stop_reason == stop_word and stop_word not in cut.text
+        assert greedy.text.startswith(cut.text)
+        chat = llm.chat([{"role": "user", "content": "what is water"}],
+                        SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True), use_tqdm=False)[0]
+        assert chat.prompt == "user : what is water assistant :"
+        lp = chat.outputs[0].logprobs
+        assert len(lp) == 4 and all(len(d) >= 3 and t in d for d, t in zip(lp, chat.outputs[0].token_ids))
+        # Greedy: the sampled token is the most likely one.
+        assert all(d[t] == max(d.values()) for d, t in zip(lp, chat.outputs[0].token_ids))
