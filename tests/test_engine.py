@@ -93,7 +93,7 @@ def ray_cluster():
         ray.shutdown()
 
 
-@pytest.mark.parametrize("name", ["gemma3", "qwen2"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_tp2_on_ray_equals_transformers(tmp_path_factory, ray_cluster, name):
     hf, folder = _folder(tmp_path_factory, name)
     prompts = _prompts(3)
@@ -147,3 +147,13 @@ def test_chat_text_stop_strings_and_logprobs(tmp_path):
         assert len(lp) == 4 and all(len(d) >= 3 and t in d for d, t in zip(lp, chat.outputs[0].token_ids))
         # Greedy: the sampled token is the most likely one.
         assert all(d[t] == max(d.values()) for d, t in zip(lp, chat.outputs[0].token_ids))
+
+
+def test_generate_command(tmp_path, capsys):
+    from launch.cli import main
+    from launch.demo import build_model
+    build_model(str(tmp_path))
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "what is water", "--prompt", "who made oil",
+                 "--max-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "'what is water'" in out and "'who made oil'" in out
