@@ -12,23 +12,17 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="distengine", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("kv-plan", help="print the hybrid KV cache plan of a model")
-    kv_plan.add_arguments(p)
-    p.set_defaults(func=kv_plan.run)
-    p = sub.add_parser("demo", help="the engine end to end on a tiny hybrid model built locally")
-    demo.add_arguments(p)
-    p.set_defaults(func=demo.run)
-    p = sub.add_parser("generate", help="print completions of a model")
-    generate.add_arguments(p)
-    p.set_defaults(func=generate.run)
-    bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
-    p = bench_sub.add_parser("kvcache", help="drive the KV cache manager like the scheduler does")
-    bench_kvcache.add_arguments(p)
-    p.set_defaults(func=bench_kvcache.run)
-    p = bench_sub.add_parser("kernels", help="paged attention on a GPU against torch SDPA and the copy bandwidth")
-    bench_kernels.add_arguments(p)
-    p.set_defaults(func=bench_kernels.run)
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
+    # (subcommands, name, module with add_arguments and run, help)
+    for where, name, module, text in (
+            (sub, "kv-plan", kv_plan, "print the hybrid KV cache plan of a model"),
+            (sub, "demo", demo, "the engine end to end on a tiny hybrid model built locally"),
+            (sub, "generate", generate, "print completions of a model"),
+            (bench, "kvcache", bench_kvcache, "drive the KV cache manager like the scheduler does"),
+            (bench, "kernels", bench_kernels, "paged attention on a GPU against torch SDPA and the copy bandwidth")):
+        p = where.add_parser(name, help=text)
+        module.add_arguments(p)
+        p.set_defaults(func=module.run)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
