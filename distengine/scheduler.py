@@ -39,7 +39,6 @@ class EngineRequest(Request):
     num_cached_tokens: int = -1  # prefix-cache hit at the first admission
     # What the runner holds of this request (it forgets it on preemption).
     runner_tokens: int = 0
-    runner_blocks: list[int] = field(default_factory=list)
     in_runner: bool = False
     # The engine's view of the output (text, detokenizer state, logprobs).
     prompt: str | None = None
@@ -126,21 +125,25 @@ class Scheduler:
         """The step to run: (the runner's plain-data step, [(request, tokens computed)])."""
         budget = self.max_num_batched_tokens
         scheduled: list[tuple[EngineRequest, int]] = []
+        appended_ids: list[tuple[list[int], ...]] = []  # what allocate_slots appended, per group
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self.manager.allocate_slots(req, n) is None:
+            appended = self.manager.allocate_slots(req, n)
+            if appended is None:
                 self._preempt(self.running[-1])
                 continue  # retry this request (unless it was the one preempted)
             scheduled.append((req, n))
+            appended_ids.append(appended)
             budget -= n
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             blocks, hit = self.manager.get_computed_blocks(req)
             n = min(req.num_tokens - hit, budget)
-            if self.manager.allocate_slots(req, n, hit, blocks) is None:
+            appended = self.manager.allocate_slots(req, n, hit, blocks)
+            if appended is None:
                 break  # FCFS: nothing behind it jumps the queue
             self.waiting.popleft()
             req.num_computed_tokens = hit
@@ -149,9 +152,10 @@ class Scheduler:
             req.status = Status.RUNNING
             self.running.append(req)
             scheduled.append((req, n))
+            appended_ids.append(appended)
             budget -= n
         self.peak_kv_usage = max(self.peak_kv_usage, self.manager.usage)
-        return self._runner_step(scheduled), scheduled
+        return self._runner_step(scheduled, appended_ids), scheduled
 
     def _preempt(self, req: EngineRequest) -> None:
         self.running.remove(req)
@@ -164,24 +168,24 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
-    def _runner_step(self, scheduled: list[tuple[EngineRequest, int]]) -> dict:
+    def _runner_step(self, scheduled: list[tuple[EngineRequest, int]],
+                     appended_ids: list[tuple[list[int], ...]]) -> dict:
         step: dict = {"new": [], "scheduled": [], "finished": self.finished_since_last_step}
         self.finished_since_last_step = []
-        for req, n in scheduled:
-            tables = self.manager.get_block_ids(req.request_id)
+        for (req, n), appended in zip(scheduled, appended_ids):
             if not req.in_runner:
+                # Whole tables once (a prefix hit's blocks were not appended by this step).
                 step["new"].append({"id": req.request_id, "token_ids": list(req.all_token_ids),
-                                    "block_ids": [list(t) for t in tables],
+                                    "block_ids": [list(t) for t in self.manager.get_block_ids(req.request_id)],
                                     "sampling": req.sampling.to_worker_dict()})
-                new_tokens, new_blocks = [], [[] for _ in tables]
+                new_tokens, new_blocks = [], [[] for _ in appended]
                 req.in_runner = True
             else:
+                # Only what changed. Entries the manager replaced by the null block (left the
+                # window) are not resent: the runner never reads them.
                 new_tokens = req.all_token_ids[req.runner_tokens:]
-                new_blocks = [t[k:] for t, k in zip(tables, req.runner_blocks)]
-                # Entries the manager replaced by the null block (left the window) are not
-                # resent: the runner never reads them.
+                new_blocks = [list(ids) for ids in appended]
             req.runner_tokens = req.num_tokens
-            req.runner_blocks = [len(t) for t in tables]
             samples = req.num_computed_tokens + n == req.num_tokens
             step["scheduled"].append({"id": req.request_id, "num_computed": req.num_computed_tokens,
                                       "num_tokens": n, "new_token_ids": new_tokens, "new_block_ids": new_blocks,

@@ -21,32 +21,30 @@ class SeqStep:
 
 def prepare_inputs(seqs: list[SeqStep], block_size: int, device: torch.device):
     """(input_ids, positions, AttentionMetadata, logits_indices) for a batch of sequences:
-    prefills, prefix-continuing chunks and decodes together."""
-    ids, pos, starts, lens, logits_idx = [], [], [0], [], []
-    num_groups = len(seqs[0].block_ids) if seqs else 0
-    slots: list[list[int]] = [[] for _ in range(num_groups)]
-    for s in seqs:
-        n = len(s.token_ids)
-        p = list(range(s.num_computed, s.num_computed + n))
-        ids += s.token_ids
-        pos += p
+    prefills, prefix-continuing chunks and decodes together. Slot mappings are gathered from the
+    padded block tables in one tensor operation per group, not token by token."""
+    lens_q = [len(s.token_ids) for s in seqs]
+    starts = [0]
+    for n in lens_q:
         starts.append(starts[-1] + n)
-        lens.append(s.num_computed + n)
-        if s.needs_logits:
-            logits_idx.append(starts[-1] - 1)
-        for g, table in enumerate(s.block_ids):
-            for q in p:
-                b = table[q // block_size]
-                # A null entry never takes a write; the manager never schedules one there.
-                slots[g].append(b * block_size + q % block_size if b else -1)
-    width = [max((len(s.block_ids[g]) for s in seqs), default=0) or 1 for g in range(num_groups)]
-    tables = [torch.tensor([s.block_ids[g] + [0] * (width[g] - len(s.block_ids[g])) for s in seqs],
-                           dtype=torch.int32, device=device) for g in range(num_groups)]
+    seq_lens = [s.num_computed + n for s, n in zip(seqs, lens_q)]
+    logits_idx = [starts[i + 1] - 1 for i, s in enumerate(seqs) if s.needs_logits]
+    ids = [t for s in seqs for t in s.token_ids]
+    seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(lens_q, dtype=torch.int64))
+    pos = torch.arange(starts[-1], dtype=torch.int64) - torch.tensor(starts[:-1], dtype=torch.int64)[seq_of_token] \
+        + torch.tensor([s.num_computed for s in seqs], dtype=torch.int64)[seq_of_token]
+    num_groups = len(seqs[0].block_ids) if seqs else 0
+    tables, slots = [], []
+    for g in range(num_groups):
+        width = max(len(s.block_ids[g]) for s in seqs) or 1
+        table = torch.tensor([s.block_ids[g] + [0] * (width - len(s.block_ids[g])) for s in seqs], dtype=torch.int64)
+        block = table[seq_of_token, pos // block_size]
+        # A null entry never takes a write; the manager never schedules one there.
+        slots.append(torch.where(block > 0, block * block_size + pos % block_size, -1).to(device))
+        tables.append(table.to(torch.int32).to(device))
     meta = AttentionMetadata(
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
-        max_query_len=max(len(s.token_ids) for s in seqs), max_seq_len=max(lens),
-        slot_mappings=[torch.tensor(x, dtype=torch.int64, device=device) for x in slots],
-        block_tables=tables)
-    return (torch.tensor(ids, dtype=torch.int64, device=device), torch.tensor(pos, dtype=torch.int64, device=device),
-            meta, torch.tensor(logits_idx, dtype=torch.int64, device=device))
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        max_query_len=max(lens_q), max_seq_len=max(seq_lens), slot_mappings=slots, block_tables=tables)
+    return (torch.tensor(ids, dtype=torch.int64, device=device), pos.to(device), meta,
+            torch.tensor(logits_idx, dtype=torch.int64, device=device))
