@@ -13,9 +13,11 @@
 * One actor per bundle; `torch.distributed` (NCCL on GPUs, gloo on CPU) rendezvouses at the IP of
   rank 0's node and a free port picked there. Actors get `NCCL_NVLS_ENABLE` (default "0") and a
   `PYTHONPATH` holding this project.
-* Each step is packed once with msgpack and the same bytes go to every rank; only rank 0's result
-  (the sampled tokens) comes back. A rank that raises or dies, or a step slower than
-  `execute_timeout_s`, marks the executor dead: `EngineDeadError` now and on every later call.
+* Each step is packed once with msgpack and the same bytes reach every rank through one compiled
+  Ray graph (`ray.dag`, compiled once: shared-memory channels to the actors, no actor call per rank
+  per step); only rank 0's output (the sampled tokens, with request ids) comes back. A rank that
+  raises or dies (noticed at once), or a step slower than `execute_timeout_s`, marks the executor
+  dead: `EngineDeadError` now and on every later call.
 
 Multi-host cluster (every host needs the project installed, or at the same path as on the driver,
 and the model reachable: a Hugging Face id or the same folder on every host):
@@ -25,20 +27,21 @@ and the model reachable: a Hugging Face id or the same folder on every host):
     # on every other node
     ray start --address=HEAD_IP:6379 --num-gpus=N
     # then, on the head (or any node), run the engine with
-    RAY_ADDRESS=HEAD_IP:6379 python my_script.py      # or RayExecutor(..., ray_address="HEAD_IP:6379")
+    RAY_ADDRESS=HEAD_IP:6379 python my_script.py      # or LLM(..., ray_address="HEAD_IP:6379")
 
 Use `placement_strategy="SPREAD"` to place the ranks on different nodes. `ray stop` on every node
 ends the cluster. CPU-only (for tests): `--num-cpus 1` instead of `--num-gpus`, and device="cpu".
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any
 
-import msgpack
-
 import distengine
+from distengine.config import EngineConfig
+from distengine.step import StepOutput, StepPlan
 
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(distengine.__file__)))
 
@@ -56,7 +59,8 @@ class PlacementGroupError(RuntimeError):
     """The cluster cannot hold one bundle per tensor-parallel rank."""
 
 
-def resolve_device(device: str) -> str:
+def _local_device(device: str) -> str:
+    """What "auto" means in this process (for a local Ray cluster's resources)."""
     if device == "auto":
         import torch
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -66,7 +70,8 @@ def resolve_device(device: str) -> str:
 class Executor:
     """What the engine sees: `num_blocks` (KV cache blocks per rank, the null block included),
     `plan_info` (plain data), `plan` (the KVCachePlan for the scheduler's KVCacheManager),
-    `execute(step) -> rank 0's result`, `check_health()`, `shutdown()`."""
+    `execute(step) -> rank 0's StepOutput` (the previous step's, for an overlapped step),
+    `check_health()`, `shutdown()`."""
 
     num_blocks: int
     plan_info: dict
@@ -75,7 +80,7 @@ class Executor:
     _dead_cause: BaseException | None = None
     _dead_message: str = ""
 
-    def execute(self, step: dict) -> dict:
+    def execute(self, step: StepPlan) -> StepOutput | None:
         raise NotImplementedError
 
     def check_health(self) -> None:
@@ -102,37 +107,32 @@ class Executor:
 
 
 class UniprocExecutor(Executor):
-    """One Worker in this process: TP=1, no Ray."""
+    """One Worker in this process: TP=1, no Ray. The step goes to it as the typed plan itself."""
 
-    def __init__(self, model: str, tensor_parallel_size: int = 1, device: str = "auto", dtype: str = "auto",
-                 block_size: int = 16, max_model_len: int | None = None, max_num_batched_tokens: int = 2048,
-                 gpu_memory_utilization: float = 0.9, num_gpu_blocks_override: int | None = None, seed: int = 0,
-                 cpu_kv_cache_gib: float = 1.0, **_ignored: Any) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         from workers.worker import Worker
-        if tensor_parallel_size != 1:
-            raise ValueError(f"UniprocExecutor runs tensor_parallel_size=1 only (got {tensor_parallel_size}); "
+        if config.tensor_parallel_size != 1:
+            raise ValueError(f"UniprocExecutor runs tensor_parallel_size=1 only (got {config.tensor_parallel_size}); "
                              "use RayExecutor")
-        self.device = resolve_device(device)
-        self.worker = Worker(0, 1, None, model, self.device, dtype, block_size, max_model_len,
-                             max_num_batched_tokens, seed)
+        self.config = config
+        self.worker = Worker(0, 1, config)
         self.worker.init()
         self.worker.load()
-        self.num_blocks = num_gpu_blocks_override if num_gpu_blocks_override is not None else \
-            self.worker.determine_num_blocks(gpu_memory_utilization, cpu_kv_cache_gib)
+        self.num_blocks = config.num_gpu_blocks_override if config.num_gpu_blocks_override is not None else \
+            self.worker.determine_num_blocks()
         self.worker.allocate_kv_cache(self.num_blocks)
         self.plan_info = self.worker.plan_info()
         self.plan = self.worker.get_plan()
         self._closed = False
 
-    def execute(self, step: dict) -> dict:
+    def execute(self, step: StepPlan) -> StepOutput | None:
         self._raise_if_dead()
         if self._closed:
             raise EngineDeadError("the executor was shut down")
-        packed = msgpack.packb(step)  # the same plain-data contract as the Ray workers
         try:
-            return self.worker.execute(packed)
+            return self.worker.execute(step)
         except Exception as e:  # the runner's state may be half updated: nothing can follow
-            raise self._die(f"the worker raised {type(e).__name__}: {e}", e) from e
+            raise self._die(f"the worker raised {_short(e)}", e) from e
 
     def check_health(self) -> None:
         self._raise_if_dead()
@@ -146,43 +146,37 @@ class UniprocExecutor(Executor):
 
 
 class RayExecutor(Executor):
-    def __init__(self, model: str, tensor_parallel_size: int = 1, device: str = "auto", dtype: str = "auto",
-                 block_size: int = 16, max_model_len: int | None = None, max_num_batched_tokens: int = 2048,
-                 gpu_memory_utilization: float = 0.9, num_gpu_blocks_override: int | None = None,
-                 ray_address: str | None = None, placement_strategy: str = "PACK", seed: int = 0,
-                 cpu_kv_cache_gib: float = 1.0, placement_timeout_s: float = 60.0,
-                 startup_timeout_s: float = 900.0, execute_timeout_s: float = 600.0,
-                 health_timeout_s: float = 30.0) -> None:
+    def __init__(self, config: EngineConfig, placement_timeout_s: float = 60.0, startup_timeout_s: float = 900.0,
+                 execute_timeout_s: float = 600.0, health_timeout_s: float = 30.0) -> None:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from workers.worker import Worker
 
-        if placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
-            raise ValueError(f"placement_strategy must be PACK or SPREAD (or STRICT_*), got {placement_strategy!r}")
-        if tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
-        self.tp = tensor_parallel_size
+        self.config = config
+        self.tp = config.tensor_parallel_size
         self.execute_timeout_s, self.health_timeout_s = execute_timeout_s, health_timeout_s
         self.actors: list = []
         self.pg = None
+        self.dag = None
         self._owns_ray = False
         self._closed = False
         self._remove_pg = remove_placement_group
 
-        address = ray_address or os.environ.get("RAY_ADDRESS") or None
+        address = config.ray_address or os.environ.get("RAY_ADDRESS") or None
         if not ray.is_initialized():
             if address:
                 ray.init(address=address, log_to_driver=True)
             else:
                 kwargs: dict[str, Any] = {"include_dashboard": False}
-                if resolve_device(device) == "cpu":
+                if _local_device(config.device) == "cpu":
                     kwargs.update(num_cpus=max(self.tp, 2), num_gpus=0)
                 ray.init(**kwargs)
                 self._owns_ray = True
         try:
-            if device == "auto":  # the cluster's GPUs decide, not the driver's
+            device = config.device
+            if device == "auto":  # the cluster's GPUs decide the bundles; each worker resolves "auto"
                 device = "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
             self.device = device
             kind = "GPU" if device.startswith("cuda") else "CPU"
@@ -192,50 +186,73 @@ class RayExecutor(Executor):
             have = ray.cluster_resources().get(kind, 0)
             if self._owns_ray and have < self.tp:  # a local cluster cannot grow: say so at once
                 raise PlacementGroupError(self._pg_message(kind, have, None))
-            self.pg = placement_group([{kind: 1}] * self.tp, strategy=placement_strategy)
+            self.pg = placement_group([{kind: 1}] * self.tp, strategy=config.placement_strategy)
             ready, _ = ray.wait([self.pg.ready()], timeout=placement_timeout_s)
             if not ready:
                 raise PlacementGroupError(self._pg_message(kind, ray.cluster_resources().get(kind, 0),
-                                                           placement_timeout_s, placement_strategy))
+                                                           placement_timeout_s, config.placement_strategy))
 
             # ---- the actors ----
             env = {"NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0"),
+                   "TORCH_SYMM_MEM_DISABLE_MULTICAST": os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                    "PYTHONPATH": os.pathsep.join(p for p in (PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p)}
             for var in ("TRITON_INTERPRET", "NCCL_DEBUG", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "HF_HOME",
-                        "HF_HUB_OFFLINE"):
+                        "HF_HUB_OFFLINE", "NVSHMEM_DISABLE_NVLS", "CUDA_LAUNCH_BLOCKING"):
                 if var in os.environ:
                     env[var] = os.environ[var]
             resources = {"num_gpus": 1, "num_cpus": 0} if kind == "GPU" else {"num_cpus": 1}
             remote_cls = ray.remote(**resources)(Worker)
+            worker_config = dataclasses.replace(config, device=config.device if kind == "GPU" else "cpu")
             for rank in range(self.tp):
                 strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank,
                                                             placement_group_capture_child_tasks=True)
                 self.actors.append(remote_cls.options(scheduling_strategy=strategy, runtime_env={"env_vars": env},
-                                                      name=None).remote(
-                    rank, self.tp, None, model, device, dtype, block_size, max_model_len,
-                    max_num_batched_tokens, seed))
-
-            # ---- torch.distributed, the model, the KV cache ----
+                                                      name=None).remote(rank, self.tp, worker_config))
+            self._ranks = {a._actor_id.hex(): r for r, a in enumerate(self.actors)}
             t = startup_timeout_s
+            if kind == "GPU" and not config.disable_custom_all_reduce:
+                self._share_node_gpus(t)
+
+            # ---- torch.distributed, the model, the KV cache, the graphs ----
             ip, port = self._gather([self.actors[0].node_address.remote()], t, "starting")[0]
             self.init_method = f"tcp://{_bracket(ip)}:{port}"
             self._gather([a.init.remote(self.init_method) for a in self.actors], t, "joining torch.distributed")
             self._gather([a.load.remote() for a in self.actors], t, "loading the model")
-            if num_gpu_blocks_override is not None:
-                self.num_blocks = int(num_gpu_blocks_override)
+            if config.num_gpu_blocks_override is not None:
+                self.num_blocks = int(config.num_gpu_blocks_override)
             else:  # a collective: every rank at once
-                self.num_blocks = min(self._gather([a.determine_num_blocks.remote(gpu_memory_utilization,
-                                                                                  cpu_kv_cache_gib)
-                                                    for a in self.actors], t, "sizing the KV cache"))
+                self.num_blocks = min(self._gather([a.determine_num_blocks.remote() for a in self.actors], t,
+                                                   "sizing the KV cache"))
             self._gather([a.allocate_kv_cache.remote(self.num_blocks) for a in self.actors], t,
                          "allocating the KV cache")
             self.plan_info, self.plan = self._gather([self.actors[0].plan_info.remote(),
                                                       self.actors[0].get_plan.remote()], t, "reading the plan")
+            self.dag = self._compile()
         except BaseException as e:
             self.shutdown()
             if isinstance(e, WorkerError) and e.user_error is not None:
                 raise e.user_error from e
             raise
+
+    def _share_node_gpus(self, timeout: float) -> None:
+        """Every rank on a node sees all the GPUs the engine holds there (as vLLM's Ray workers
+        do) and picks its own by position."""
+        placements = self._gather([a.gpu_placement.remote() for a in self.actors], timeout, "starting")
+        by_node: dict[str, list[str]] = {}
+        for node, ids in placements:
+            by_node.setdefault(node, []).extend(ids)
+        for node in by_node:
+            by_node[node] = sorted(set(by_node[node]), key=lambda g: (len(g), g))
+        self._gather([a.set_visible_gpus.remote(by_node[node], by_node[node].index(ids[0]))
+                      for a, (node, ids) in zip(self.actors, placements)], timeout, "starting")
+
+    def _compile(self):
+        """Every step reaches every rank through one compiled Ray graph: shared-memory channels
+        to the actors, set up once, instead of an actor call per rank per step."""
+        from ray.dag import InputNode, MultiOutputNode
+        with InputNode() as step:
+            dag = MultiOutputNode([a.execute.bind(step) for a in self.actors])
+        return dag.experimental_compile()
 
     # ---- helpers --------------------------------------------------------------------------
     def _pg_message(self, kind: str, have: float, timeout: float | None, strategy: str = "PACK") -> str:
@@ -279,18 +296,32 @@ class RayExecutor(Executor):
         return results
 
     # ---- the step -------------------------------------------------------------------------
-    def execute(self, step: dict) -> dict:
+    def execute(self, step: StepPlan) -> StepOutput | None:
+        """The same msgpack bytes to every rank; rank 0's output comes back. Any rank that
+        raises or dies, or a step slower than `execute_timeout_s`, makes the engine dead."""
+        import ray
         self._raise_if_dead()
         if self._closed:
             raise EngineDeadError("the executor was shut down")
-        packed = msgpack.packb(step)  # once; the same bytes to every rank
-        refs = [a.execute.remote(packed) for a in self.actors]
         try:
-            return self._gather(refs, self.execute_timeout_s, "executing a step")[0]
-        except WorkerError as e:
-            raise self._die(str(e), e.__cause__ or e) from (e.__cause__ or e)
+            return ray.get(self.dag.execute(step.encode()), timeout=self.execute_timeout_s)[0]
+        except Exception as e:  # noqa: BLE001 - RayTaskError, ActorDiedError, RayChannelError...
+            raise self._die(self._describe(e), e) from e
+
+    def _describe(self, e: BaseException) -> str:
+        import ray
+        if isinstance(e, ray.exceptions.RayActorError):
+            rank = self._ranks.get(getattr(e, "actor_id", None) or "")
+            who = f"worker rank {rank}" if rank is not None else "a worker"
+            return f"{who} died while executing a step: {_short(e)}"
+        if isinstance(e, ray.exceptions.RayChannelTimeoutError):
+            return f"a step took longer than {self.execute_timeout_s:g} s: a worker hangs"
+        if isinstance(e, ray.exceptions.RayTaskError):
+            return f"worker {_short(e)}"  # the worker's message starts with its rank
+        return f"the workers failed while executing a step: {_short(e)}"
 
     def check_health(self) -> None:
+        """Every rank answers a ping (served beside the compiled graph's step loop)."""
         self._raise_if_dead()
         if self._closed:
             raise EngineDeadError("the executor was shut down")
@@ -301,13 +332,18 @@ class RayExecutor(Executor):
 
     def shutdown(self) -> None:
         """Ends every actor, frees the placement group, and stops Ray if this executor started
-        it. Idempotent; works on a dead executor."""
+        it. Idempotent; works on a dead executor (nothing waits for a rank that hangs)."""
         if self._closed:
             return
         self._closed = True
         import ray
         if not ray.is_initialized():
             return
+        if self.dag is not None and not self.is_dead:
+            try:
+                self.dag.teardown()  # ends the actors' step loops
+            except Exception:  # noqa: BLE001
+                pass
         if self.actors and not self.is_dead:  # a clean goodbye to torch.distributed first
             try:
                 refs = [a.shutdown.remote() for a in self.actors]
@@ -320,6 +356,7 @@ class RayExecutor(Executor):
             except Exception:  # noqa: BLE001
                 pass
         self.actors = []
+        self.dag = None
         if self.pg is not None:
             try:
                 self._remove_pg(self.pg)
@@ -337,15 +374,11 @@ class RayExecutor(Executor):
             pass
 
 
-def create_executor(tensor_parallel_size: int = 1, use_ray: bool | None = None, **kwargs: Any) -> Executor:
-    """RayExecutor when asked, when TP > 1 or when a Ray address is given; else UniprocExecutor."""
-    if use_ray is None:
-        use_ray = tensor_parallel_size > 1 or bool(kwargs.get("ray_address") or os.environ.get("RAY_ADDRESS"))
-    if use_ray:
-        return RayExecutor(tensor_parallel_size=tensor_parallel_size, **kwargs)
-    kwargs.pop("ray_address", None)
-    kwargs.pop("placement_strategy", None)
-    return UniprocExecutor(tensor_parallel_size=tensor_parallel_size, **kwargs)
+def create_executor(config: EngineConfig) -> Executor:
+    """RayExecutor when TP > 1 or a Ray address is given (or RAY_ADDRESS is set); else in-process."""
+    if config.use_ray or os.environ.get("RAY_ADDRESS"):
+        return RayExecutor(config)
+    return UniprocExecutor(config)
 
 
 class WorkerError(RuntimeError):

@@ -15,6 +15,9 @@ class Request:
     num_computed_tokens: int = 0
     # Chained hashes of the full blocks of all_token_ids, filled in by the KV cache manager.
     block_hashes: list[int] = field(default_factory=list)
+    # Tokens sampled in steps still running (overlapped scheduling): their positions may be
+    # computed in the next step before their values reach the host; they are never hashed.
+    num_output_placeholders: int = 0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -23,6 +26,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_known_computed_tokens(self) -> int:
+        """Computed tokens whose values are known (what may be hashed and cached)."""
+        return min(self.num_computed_tokens, len(self.all_token_ids))
 
     @property
     def num_prompt_tokens(self) -> int:

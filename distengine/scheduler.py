@@ -7,13 +7,19 @@ requests and the pool allow. A prompt longer than the remaining budget is split 
 request is preempted: its blocks are freed and it goes back to the front of the queue, to be
 recomputed (its prefix cache hits make that cheap); outputs are the same as without preemption.
 
-The step sent to the workers is plain data (see `workers.model_runner`): a request's tokens and
-block tables once when it (re)enters the runner, then only its new tokens and the block ids
-appended to its tables.
+Scheduling may run one step ahead of the results (overlapped, as vLLM's async scheduling): a
+step's tokens count as computed when it is scheduled, and each token it will sample is a
+placeholder until its value arrives (`Request.num_output_placeholders`). The next step already
+computes a placeholder's position: the workers feed it the token they sampled, which never makes
+the round trip through the host. A request that will surely end once its placeholders arrive
+(max_tokens, max_model_len) is not scheduled again, and a preempted request is readmitted only
+once its last token is known. `update` applies a step's sampled tokens and the stop rules (one
+place for when a request stops); results for a request that finished meanwhile are dropped.
 """
 from __future__ import annotations
 
 import enum
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -21,6 +27,7 @@ from distengine.kv_cache.manager import KVCacheManager
 from distengine.kv_cache.plan import KVCachePlan
 from distengine.request import Request
 from distengine.sampling_params import SamplingParams
+from distengine.step import NewRequest, ScheduledRequest, StepOutput, StepPlan
 
 
 class Status(enum.Enum):
@@ -37,18 +44,22 @@ class EngineRequest(Request):
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = -1  # prefix-cache hit at the first admission
-    # What the runner holds of this request (it forgets it on preemption).
-    runner_tokens: int = 0
-    in_runner: bool = False
-    # The engine's view of the output (text, detokenizer state, logprobs).
-    prompt: str | None = None
-    text: str = ""
-    detok: object = None
-    logprobs: list | None = None
+    in_runner: bool = False  # the workers hold its state (they drop it on preemption)
 
     @property
     def num_output_tokens(self) -> int:
         return self.num_tokens - self.num_prompt_tokens
+
+
+@dataclass
+class RequestUpdate:
+    """What one step produced for one request: its new token and, when it ended, why."""
+    req_id: str
+    token_id: int
+    logprobs: dict[int, float] | None = None  # the sampled token and the top-k, when asked
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
 
 
 @dataclass
@@ -75,6 +86,9 @@ class Scheduler:
         self.finished_since_last_step: list[str] = []
         self.num_preemptions = 0
         self.peak_kv_usage = 0.0
+        self._step_ids = itertools.count()
+        # step id -> the requests it samples, in plan order (what its output's tokens belong to).
+        self._in_flight: dict[int, list[EngineRequest]] = {}
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
@@ -96,6 +110,12 @@ class Scheduler:
         self._finish(req, "abort")
         return True
 
+    def finish_request(self, request_id: str, reason: str, stop_reason: int | str | None = None) -> None:
+        """Used by the engine for conditions it checks itself (stop strings)."""
+        req = self.requests.get(request_id)
+        if req is not None:
+            self._finish(req, reason, stop_reason)
+
     def _finish(self, req: EngineRequest, reason: str, stop_reason: int | str | None = None) -> None:
         if req.status == Status.RUNNING:
             self.running.remove(req)
@@ -105,41 +125,54 @@ class Scheduler:
         req.status, req.finish_reason, req.stop_reason = Status.FINISHED, reason, stop_reason
         if req.in_runner:
             self.finished_since_last_step.append(req.request_id)
+            req.in_runner = False
         del self.requests[req.request_id]
-
-    def finish_request(self, request_id: str, reason: str, stop_reason: int | str | None = None) -> None:
-        """Used by the engine for conditions it checks itself (stop strings)."""
-        req = self.requests.get(request_id)
-        if req is not None:
-            self._finish(req, reason, stop_reason)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def has_in_flight(self) -> bool:
+        """A step that sampled has not returned its tokens yet."""
+        return bool(self._in_flight)
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(len(self.running), len(self.waiting), self.manager.usage, self.peak_kv_usage,
                               self.manager.prefix_cache_stats.hit_rate, self.num_preemptions)
 
     # ---- one step ------------------------------------------------------------------------
-    def schedule(self) -> tuple[dict, list[tuple[EngineRequest, int]]]:
-        """The step to run: (the runner's plain-data step, [(request, tokens computed)])."""
+    def _tokens_to_compute(self, req: EngineRequest) -> int:
+        """Tokens of `req` not yet scheduled; 0 when the tokens in flight will end it anyway."""
+        pending = req.num_output_placeholders
+        if pending:
+            sp = req.sampling
+            if sp.max_tokens is not None and req.num_output_tokens + pending >= sp.max_tokens:
+                return 0
+            if req.num_tokens + pending >= self.max_model_len:
+                return 0
+        return req.num_tokens + pending - req.num_computed_tokens
+
+    def schedule(self) -> StepPlan:
+        """The next step. Its tokens count as computed from now on (see the module docstring)."""
         budget = self.max_num_batched_tokens
-        scheduled: list[tuple[EngineRequest, int]] = []
-        appended_ids: list[tuple[list[int], ...]] = []  # what allocate_slots appended, per group
+        scheduled: list[tuple[EngineRequest, int, tuple[list[int], ...]]] = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(self._tokens_to_compute(req), budget)
+            if n <= 0:
+                i += 1
+                continue
             appended = self.manager.allocate_slots(req, n)
             if appended is None:
                 self._preempt(self.running[-1])
                 continue  # retry this request (unless it was the one preempted)
-            scheduled.append((req, n))
-            appended_ids.append(appended)
+            scheduled.append((req, n, appended))
             budget -= n
             i += 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.num_output_placeholders:
+                break  # preempted with a token still in flight: readmitted once it is known (FCFS)
             blocks, hit = self.manager.get_computed_blocks(req)
             n = min(req.num_tokens - hit, budget)
             appended = self.manager.allocate_slots(req, n, hit, blocks)
@@ -151,11 +184,10 @@ class Scheduler:
                 req.num_cached_tokens = hit
             req.status = Status.RUNNING
             self.running.append(req)
-            scheduled.append((req, n))
-            appended_ids.append(appended)
+            scheduled.append((req, n, appended))
             budget -= n
         self.peak_kv_usage = max(self.peak_kv_usage, self.manager.usage)
-        return self._runner_step(scheduled, appended_ids), scheduled
+        return self._plan(scheduled)
 
     def _preempt(self, req: EngineRequest) -> None:
         self.running.remove(req)
@@ -163,54 +195,68 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.status = Status.WAITING
         if req.in_runner:
-            self.finished_since_last_step.append(req.request_id)  # the runner drops its copy
+            self.finished_since_last_step.append(req.request_id)  # the workers drop their copy
             req.in_runner = False
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
-    def _runner_step(self, scheduled: list[tuple[EngineRequest, int]],
-                     appended_ids: list[tuple[list[int], ...]]) -> dict:
-        step: dict = {"new": [], "scheduled": [], "finished": self.finished_since_last_step}
+    def _plan(self, scheduled: list[tuple[EngineRequest, int, tuple[list[int], ...]]]) -> StepPlan:
+        plan = StepPlan(next(self._step_ids), finished_req_ids=self.finished_since_last_step)
         self.finished_since_last_step = []
-        for (req, n), appended in zip(scheduled, appended_ids):
+        samplers = []
+        for req, n, appended in scheduled:
+            start = req.num_computed_tokens
             if not req.in_runner:
                 # Whole tables once (a prefix hit's blocks were not appended by this step).
-                step["new"].append({"id": req.request_id, "token_ids": list(req.all_token_ids),
-                                    "block_ids": [list(t) for t in self.manager.get_block_ids(req.request_id)],
-                                    "sampling": req.sampling.to_worker_dict()})
-                new_tokens, new_blocks = [], [[] for _ in appended]
+                plan.new_requests.append(self._new_request(req))
+                new_blocks: list[list[int]] = []
                 req.in_runner = True
             else:
                 # Only what changed. Entries the manager replaced by the null block (left the
-                # window) are not resent: the runner never reads them.
-                new_tokens = req.all_token_ids[req.runner_tokens:]
-                new_blocks = [list(ids) for ids in appended]
-            req.runner_tokens = req.num_tokens
-            samples = req.num_computed_tokens + n == req.num_tokens
-            step["scheduled"].append({"id": req.request_id, "num_computed": req.num_computed_tokens,
-                                      "num_tokens": n, "new_token_ids": new_tokens, "new_block_ids": new_blocks,
-                                      "sample": samples})
-        return step
+                # window) are not resent: no worker reads them again.
+                new_blocks = [list(ids) for ids in appended] if any(appended) else []
+            sample = start + n == req.num_tokens + req.num_output_placeholders
+            plan.scheduled.append(ScheduledRequest(req.request_id, start, n, req.all_token_ids[start:start + n],
+                                                   new_blocks, sample))
+            req.num_computed_tokens = start + n
+            if sample:
+                req.num_output_placeholders += 1
+                samplers.append(req)
+        if samplers:
+            self._in_flight[plan.step_id] = samplers
+        return plan
 
-    def update(self, scheduled: list[tuple[EngineRequest, int]], sampled: list[int]) -> list[EngineRequest]:
-        """Apply a step's results (one sampled token per request that samples, in order);
-        returns the requests that finished."""
-        tokens = iter(sampled)
-        done = []
-        for req, n in scheduled:
-            samples = req.num_computed_tokens + n == req.num_tokens
-            token = next(tokens) if samples else None
-            if req.status != Status.RUNNING:
-                continue  # aborted meanwhile (its token, if any, is dropped)
-            req.num_computed_tokens += n
-            if token is None:
-                continue  # a prefill chunk: nothing sampled yet
+    def _new_request(self, req: EngineRequest) -> NewRequest:
+        sp = req.sampling
+        rep = sp.repetition_penalty != 1.0
+        counts = rep or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
+        return NewRequest(req.request_id, [list(t) for t in self.manager.get_block_ids(req.request_id)],
+                          sp.to_worker_dict(), req.num_output_tokens, list(req.prompt_token_ids) if rep else [],
+                          req.output_token_ids if counts else [])
+
+    def update(self, step_id: int, output: StepOutput | None) -> list[RequestUpdate]:
+        """Apply a step's sampled tokens (one per request that sampled, in plan order): append,
+        check the stop rules, finish. Returns what each live request got."""
+        samplers = self._in_flight.pop(step_id, [])
+        if not samplers:
+            return []
+        if output is None or output.step_id != step_id or len(output.token_ids) != len(samplers):
+            got = "nothing" if output is None else f"step {output.step_id} with {len(output.token_ids)} tokens"
+            raise RuntimeError(f"step {step_id} sampled for {len(samplers)} requests but the workers returned {got}")
+        updates = []
+        for k, (req, token) in enumerate(zip(samplers, output.token_ids)):
+            if req.status == Status.FINISHED:
+                continue  # finished or aborted while this step ran: its token is dropped
+            req.num_output_placeholders -= 1
             req.append_output_token(token)
+            update = RequestUpdate(req.request_id, token, _logprobs(req, output, k, token),
+                                   num_cached_tokens=max(req.num_cached_tokens, 0))
             reason = self._stop_reason(req, token)
             if reason is not None:
                 self._finish(req, *reason)
-                done.append(req)
-        return done
+                update.finish_reason, update.stop_reason = req.finish_reason, req.stop_reason
+            updates.append(update)
+        return updates
 
     def _stop_reason(self, req: EngineRequest, token: int) -> tuple[str, int | None] | None:
         sp, n_out = req.sampling, req.num_output_tokens
@@ -224,3 +270,15 @@ class Scheduler:
         if req.num_tokens >= self.max_model_len:
             return "length", None
         return None
+
+
+def _logprobs(req: EngineRequest, out: StepOutput, k: int, token: int) -> dict[int, float] | None:
+    """vLLM's shape: the sampled token and the request's top-k, token id -> logprob."""
+    n = req.sampling.logprobs
+    if n is None or out.logprobs is None:
+        return None
+    entry = {token: out.logprobs[k]}
+    if n and out.top_token_ids is not None:
+        n = len(out.top_token_ids[k]) if n < 0 else n
+        entry.update(zip(out.top_token_ids[k][:n], out.top_logprobs[k][:n]))
+    return entry

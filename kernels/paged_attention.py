@@ -46,7 +46,8 @@ def _find_seq(query_start_loc_ptr, num_seqs, pid_q, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# num_seqs changes every step: Triton would specialise it (== 1, divisible by 16) and compile again.
+@triton.jit(do_not_specialize=["num_seqs"])
 def _paged_attention_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr,
     q_ptr, k_ptr, v_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr, sinks_ptr, head_scale_ptr,
@@ -177,10 +178,12 @@ def _merge_splits_kernel(out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_o
     m = tl.load(part_ml_ptr + base * 2)
     l_s = tl.load(part_ml_ptr + base * 2 + 1)
     m_max = tl.max(m, 0)
-    w = tl.exp2(m - m_max)  # empty splits have m = -inf: weight 0
+    # Empty splits have m = -inf: weight 0. A sequence with no keys at all (a CUDA graph's
+    # padding) has every split empty: its output is 0, not NaN.
+    w = tl.where(m > float("-inf"), tl.exp2(m - m_max), 0.0)
     denom = tl.sum(l_s * w, 0)
     acc = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM_PAD + dims[None, :])
-    out = tl.sum(acc * w[:, None], 0) / denom
+    out = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
              mask=dims < HEAD_DIM)
 
@@ -210,25 +213,31 @@ def _num_sms(device: torch.device) -> int:
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
                       tile_n: int = 64, max_splits: int = 32) -> int:
-    """Splits of the key range for a decode batch: enough programs for ~2 waves on the GPU,
-    each split keeping at least 16 key tiles of work (fewer lose to the merge and the
-    per-program overhead: measured on an H200, B=1 L=8192 is fastest with 8 splits). 1 = no
-    split."""
+    """Splits of the key range for a decode batch: enough programs for ~2 waves on the GPU. Up to
+    8 splits need 2 key tiles each; more need 16 each (beyond that the merge and the per-program
+    overhead win: measured on an H200, B=1 L=8192 is fastest with 8 splits, and B=1 at a few
+    hundred tokens is 5x faster with 8 splits than with 1). 1 = no split."""
     programs = num_seqs * num_kv_heads
     if programs >= num_sms:
         return 1
-    want = min(triton.cdiv(2 * num_sms, programs), max(1, max_seq_len // (16 * tile_n)), max_splits)
+    tiles = max_seq_len // tile_n
+    want = min(triton.cdiv(2 * num_sms, programs), max(min(8, tiles // 2), tiles // 16, 1), max_splits)
     return _next_pow2(want) if want > 1 else 1
 
 
-def default_config(max_query_len: int, head_dim: int, gqa: int, block_size: int, sliding_window: int = 0) -> dict:
-    """Tile shapes and launch options, the fastest of a sweep on an H200 (bf16, Hq=32, Hkv=8,
-    block 16; `distengine bench kernels --sweep`)."""
+def default_config(max_query_len: int, head_dim: int, gqa: int, block_size: int, sliding_window: int = 0,
+                   max_seq_len: int = 0) -> dict:
+    """Tile shapes and launch options, the fastest of sweeps on an H200 (bf16, block 16; D=128 with
+    Hq=32, Hkv=8: `distengine bench kernels --sweep`; D=256 with Hq=16, Hkv=8, Gemma-3-12B's
+    shape: tests/gpu/sweep_decode.py)."""
     block_m = max(16, _next_pow2(gqa))
     if max_query_len == 1:  # decode: bandwidth-bound, 4 warps keep enough loads in flight
-        # A window's first tile is partly masked: wider tiles waste less (W=1024: 0.082 vs 0.106 ms).
-        tile = 128 if sliding_window else 64
-        return {"BLOCK_M": block_m, "TILE_N": max(block_size, tile), "num_warps": 4, "num_stages": 2}
+        # A window's first tile is partly masked: wider tiles waste less at D=128 (W=1024: 0.082
+        # vs 0.106 ms); at D=256 a 128-key tile is too large (B=128, 600 tokens: 210 vs 176 us).
+        tile = 128 if sliding_window and head_dim <= 128 else 64
+        # At D=256 long contexts gain a third stage (B=16, 16k tokens: 532 vs 632 us).
+        stages = 3 if head_dim > 128 and max_seq_len >= 4096 else 2
+        return {"BLOCK_M": block_m, "TILE_N": max(block_size, tile), "num_warps": 4, "num_stages": stages}
     if head_dim <= 128 and max_query_len < 8192:
         return {"BLOCK_M": max(block_m, 64), "TILE_N": max(block_size, 64), "num_warps": 4, "num_stages": 3}
     tile = 128 if head_dim <= 128 else 64
@@ -264,7 +273,7 @@ def paged_attention(
         out = torch.empty_like(q)
     if num_tokens == 0:
         return out
-    cfg = config or default_config(max_query_len, head_dim, gqa, block_size, sliding_window)
+    cfg = config or default_config(max_query_len, head_dim, gqa, block_size, sliding_window, max_seq_len)
     block_m = cfg["BLOCK_M"]
     block_q = max(1, block_m // gqa)
     if num_splits is None:

@@ -37,7 +37,7 @@ def paged_attention_ref(
         slots = kpos % block_size
         k = kv_cache[blocks, 0, slots].to(compute)  # [n, Hkv, D]
         v = kv_cache[blocks, 1, slots].to(compute)
-        qs = q[q0:q1].to(compute).view(q_len, num_kv_heads, gqa, head_dim)
+        qs = q[q0:q1].to(compute).reshape(q_len, num_kv_heads, gqa, head_dim)
         scores = torch.einsum("qhgd,nhd->hgqn", qs, k) * scale
         if head_scale is not None:
             scores = scores * head_scale.to(compute).view(num_kv_heads, gqa, 1, 1)

@@ -8,7 +8,7 @@ from distengine.kv_cache.model_config import ConfigError
 
 
 def main(argv: list[str] | None = None) -> int:
-    from launch import bench_kernels, bench_kvcache, demo, generate, kv_plan
+    from launch import bench_kernels, bench_kvcache, bench_latency, bench_throughput, demo, generate, kv_plan
 
     parser = argparse.ArgumentParser(prog="distengine", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -19,7 +19,9 @@ def main(argv: list[str] | None = None) -> int:
             (sub, "demo", demo, "the engine end to end on a tiny hybrid model built locally"),
             (sub, "generate", generate, "print completions of a model"),
             (bench, "kvcache", bench_kvcache, "drive the KV cache manager like the scheduler does"),
-            (bench, "kernels", bench_kernels, "paged attention on a GPU against torch SDPA and the copy bandwidth")):
+            (bench, "kernels", bench_kernels, "paged attention on a GPU against torch SDPA and the copy bandwidth"),
+            (bench, "latency", bench_latency, "the time to generate one batch, against the roofline"),
+            (bench, "throughput", bench_throughput, "offline throughput over many prompts, against the roofline")):
         p = where.add_parser(name, help=text)
         module.add_arguments(p)
         p.set_defaults(func=module.run)

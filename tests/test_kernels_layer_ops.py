@@ -12,6 +12,7 @@ import torch
 from kernels.activation import gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref
 from kernels.kv_store import store_kv, store_kv_ref
 from kernels.layernorm import rms_norm, rms_norm_ref
+from kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
 from kernels.rotary import make_rope_cache, rope_inv_freq, rotary_embedding, rotary_embedding_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -249,3 +250,51 @@ def test_act_and_mul_strided_rows():
     view = wide[:, :512]
     check(silu_and_mul(view), silu_and_mul_ref(x.double()), torch.bfloat16)
     check(gelu_tanh_and_mul(view), gelu_tanh_and_mul_ref(x.double()), torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- fused q/k norm + rotary
+
+@pytest.mark.parametrize("impl", [qk_norm_rope, qk_norm_rope_ref], ids=["triton", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim,n_q,n_k,gemma", [(64, 4, 2, True), (128, 8, 2, False), (256, 16, 8, True),
+                                                    (80, 3, 1, False), (256, 20, 4, False)])
+def test_qk_norm_rope(impl, dtype, head_dim, n_q, n_k, gemma):
+    """Against norm-then-rotate evaluated in float64, in place on views of a fused qkv output; v
+    untouched; several head tiles per token where Hq is large."""
+    num_tokens, max_pos = 9, 2048
+    qkv = randn(num_tokens, (n_q + 2 * n_k) * head_dim, dtype=dtype) * 3
+    q = qkv[:, : n_q * head_dim].view(num_tokens, n_q, head_dim)
+    k = qkv[:, n_q * head_dim: (n_q + n_k) * head_dim].view(num_tokens, n_k, head_dim)
+    positions = torch.randint(0, max_pos, (num_tokens,), device=DEVICE)
+    cache = make_rope_cache(head_dim, max_pos, 10000.0, None, torch.float32, DEVICE)
+    qw, kw = randn(head_dim, dtype=dtype), randn(head_dim, dtype=dtype)
+    before = qkv.clone()
+    q_ref, k_ref = qk_norm_rope_ref(q.double(), k.double(), positions, cache, qw.double(), kw.double(), 1e-6, gemma)
+    q_out, k_out = impl(q, k, positions, cache, qw, kw, 1e-6, gemma)
+    assert q_out.data_ptr() == q.data_ptr() and k_out.data_ptr() == k.data_ptr(), "not in place"
+    check(q, q_ref, dtype)
+    check(k, k_ref, dtype)
+    assert torch.equal(qkv[:, (n_q + n_k) * head_dim:], before[:, (n_q + n_k) * head_dim:]), "v was touched"
+
+
+def test_qk_norm_rope_equals_the_unfused_kernels():
+    """Fused and unfused give the same numbers, up to the order of one fp32 sum (the norm's
+    output is rounded where the unfused path stores it)."""
+    for dtype in (torch.bfloat16, torch.float32):
+        n, hq, hk, d = 7, 4, 2, 128
+        qkv = randn(n, (hq + 2 * hk) * d, dtype=dtype)
+        cache = make_rope_cache(d, 64, 1e4, None, torch.float32, DEVICE)
+        pos = torch.randint(0, 64, (n,), device=DEVICE)
+        qw, kw = randn(d, dtype=dtype), randn(d, dtype=dtype)
+        a = qkv.clone()
+        qa, ka = a[:, :hq * d].view(n, hq, d), a[:, hq * d:(hq + hk) * d].view(n, hk, d)
+        qk_norm_rope(qa, ka, pos, cache, qw, kw, 1e-6, True)
+        b = qkv.clone()
+        qb, kb = b[:, :hq * d].view(n, hq, d), b[:, hq * d:(hq + hk) * d].view(n, hk, d)
+        qn, kn = rms_norm(qb, qw, 1e-6, gemma=True), rms_norm(kb, kw, 1e-6, gemma=True)
+        rotary_embedding(qn, kn, pos, cache)
+        tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(qa, qn, **tol)
+        torch.testing.assert_close(ka, kn, **tol)
+    with pytest.raises(ValueError, match="full rotary"):
+        qk_norm_rope(qa, ka, pos, cache[:, :64], qw, kw, 1e-6)

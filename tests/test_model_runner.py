@@ -1,14 +1,20 @@
-"""The runner end to end on CPU: a checkpoint folder loaded by our loader, steps sent as
-msgpack-serialisable plans (new requests once, then only new tokens and new blocks), a prefill
-batched with decodes; greedy output equals transformers' generate()."""
+"""The runner end to end on CPU: a checkpoint folder loaded by our loader, steps from the real
+scheduler (new requests once, then only new tokens and new blocks), a prefill batched with
+decodes, with and without overlapped steps; greedy output equals transformers' generate().
+Engine options that the model cannot serve are refused before anything starts."""
 from __future__ import annotations
 
-import msgpack
+import json
+
 import pytest
 import torch
 
-from distengine.kv_cache.manager import KVCacheManager
-from distengine.request import Request
+from distengine.config import EngineConfig
+from distengine.engine_core import EngineCore
+from distengine.executor import UniprocExecutor
+from distengine.sampling_params import SamplingParams
+from distengine.scheduler import EngineRequest
+from distengine.step import ScheduledRequest, StepPlan
 from tests.conftest import DEVICE
 from tests.test_models import build
 from workers.model_runner import KVCacheTooSmallError, ModelRunner
@@ -22,75 +28,54 @@ def checkpoint(tmp_path_factory):
     return hf, str(folder)
 
 
-def _plan_step(mgr, runner_known, batch):
-    """The scheduler's side of one step: allocate, then describe only what changed."""
-    step = {"new": [], "scheduled": [], "finished": []}
-    for req, n in batch:
-        before = [len(t) for t in mgr.get_block_ids(req.request_id)]
-        assert mgr.allocate_slots(req, n) is not None
-        ids = mgr.get_block_ids(req.request_id)
-        if req.request_id not in runner_known:
-            runner_known[req.request_id] = req.num_tokens
-            step["new"].append({"id": req.request_id, "token_ids": req.all_token_ids, "block_ids": list(ids),
-                                "sampling": {"temperature": 0.0}})
-            new_tokens, new_blocks = [], [[] for _ in ids]
-        else:
-            new_tokens = req.all_token_ids[runner_known[req.request_id]:]
-            runner_known[req.request_id] = req.num_tokens
-            new_blocks = [t[b:] for t, b in zip(ids, before)]
-        step["scheduled"].append({"id": req.request_id, "num_computed": req.num_computed_tokens, "num_tokens": n,
-                                  "new_token_ids": new_tokens, "new_block_ids": new_blocks, "sample": True})
-    return msgpack.unpackb(msgpack.packb(step))  # plain data only
+def config(folder: str, **kw) -> EngineConfig:
+    return EngineConfig.create(folder, **{**dict(device=DEVICE, dtype="float32", block_size=4, max_model_len=256,
+                                                 num_gpu_blocks_override=400), **kw})
 
 
-def test_runner_greedy_with_mixed_batches_matches_generate(checkpoint):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_runner_greedy_with_mixed_batches_matches_generate(checkpoint, overlap):
     hf, folder = checkpoint
-    runner = ModelRunner(folder, device=DEVICE, dtype="float32", block_size=4, max_model_len=256)
-    runner.allocate_kv_cache(400)
-    mgr = KVCacheManager(runner.plan, runner.num_blocks)
+    cfg = config(folder, async_scheduling=overlap, debug_checks=True)
+    core = EngineCore(cfg, UniprocExecutor(cfg))
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (23, 31)]
-    reqs = [Request(f"r{i}", p) for i, p in enumerate(prompts)]
-    known: dict[str, int] = {}
-    outputs = {r.request_id: [] for r in reqs}
-    active = [(reqs[0], reqs[0].num_tokens)]
-    for step_no in range(20):
-        if step_no == 3:  # the second request's prefill joins the first one's decodes
-            active.append((reqs[1], reqs[1].num_tokens))
-        result = runner.execute(_plan_step(mgr, known, active))
-        nxt = []
-        for (req, n), tok in zip(active, result["token_ids"]):
-            req.num_computed_tokens += n
-            req.append_output_token(tok)
-            outputs[req.request_id].append(tok)
-            nxt.append((req, 1))
-        active = nxt
+    reqs = [EngineRequest(f"r{i}", p, sampling=SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+            for i, p in enumerate(prompts)]
+    core.add_request(reqs[0])
+    for n in range(100):
+        if n == 3:  # the second request's prefill joins the first one's decodes
+            core.add_request(reqs[1])
+        if n > 3 and not core.has_unfinished() and not core.scheduler.has_in_flight():
+            break
+        core.step()
+    core.shutdown()
     for req, prompt in zip(reqs, prompts):
         with torch.no_grad():
-            want = hf.generate(torch.tensor([prompt]), max_new_tokens=len(outputs[req.request_id]), do_sample=False,
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
                                attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):].tolist()
-        assert outputs[req.request_id] == want
+        assert req.output_token_ids == want
 
 
 def test_too_small_cache_says_what_fits(checkpoint):
     _, folder = checkpoint
-    runner = ModelRunner(folder, dtype="float32", block_size=4, max_model_len=256)
+    runner = ModelRunner(config(folder, device="cpu"))
     with pytest.raises(KVCacheTooSmallError, match=r"max_model_len <= \d+"):
         runner.allocate_kv_cache(20)
 
 
 def test_unknown_request_is_refused(checkpoint):
     _, folder = checkpoint
-    runner = ModelRunner(folder, dtype="float32", block_size=4, max_model_len=256)
+    runner = ModelRunner(config(folder, device="cpu"))
     runner.allocate_kv_cache(200)
     with pytest.raises(KeyError, match="never sent"):
-        runner.execute({"scheduled": [{"id": "x", "num_computed": 0, "num_tokens": 1}]})
+        runner.execute(StepPlan(0, scheduled=[ScheduledRequest("x", 0, 1, [1], [], True)]))
 
 
 def test_num_blocks_from_memory(checkpoint):
     """CPU: a fixed budget; GPU: what is left after a profiling pass at the largest batch."""
     _, folder = checkpoint
-    runner = ModelRunner(folder, device=DEVICE, dtype="float32", block_size=4, max_model_len=256)
+    runner = ModelRunner(config(folder))
     n = runner.determine_num_blocks(gpu_memory_utilization=0.3, cpu_kv_cache_gib=0.01)
     if DEVICE == "cpu":
         assert n == int(0.01 * (1 << 30)) // runner.plan.block_bytes
@@ -99,3 +84,40 @@ def test_num_blocks_from_memory(checkpoint):
         assert 0 < n * runner.plan.block_bytes < 0.3 * total
     with pytest.raises(KVCacheTooSmallError):
         runner.determine_num_blocks(gpu_memory_utilization=1e-9, cpu_kv_cache_gib=1e-9)
+
+
+def test_max_model_len_beyond_the_positions_is_refused(checkpoint, tmp_path):
+    """As vLLM: at LLM(...) / EngineConfig.create, with both numbers, before any worker starts
+    (a prompt past the positions would read beyond the rotary cache)."""
+    from distengine import LLM
+    _, folder = checkpoint  # max_position_embeddings=512, no rope scaling
+    with pytest.raises(ValueError, match=r"max_model_len \(1024\).*positions allow \(512: max_position_embeddings"):
+        EngineConfig.create(folder, device="cpu", max_model_len=1024)
+    with pytest.raises(ValueError, match=r"max_model_len \(32768\).*\(512"):
+        LLM(folder, device="cpu", max_model_len=32768)
+    assert EngineConfig.create(folder, device="cpu").max_model_len == 512
+    # Linear rope scaling extends the positions by its factor; the rotary cache follows max_model_len.
+    scaled = tmp_path / "scaled"
+    scaled.mkdir()
+    with open(f"{folder}/config.json") as f:
+        cfg = json.load(f)
+    cfg["rope_scaling"] = {"rope_type": "linear", "factor": 4.0}
+    cfg.pop("rope_parameters", None)
+    (scaled / "config.json").write_text(json.dumps(cfg))
+    assert EngineConfig.create(str(scaled), device="cpu", max_model_len=2048).max_model_len == 2048
+    with pytest.raises(ValueError, match=r"\(2049\).*\(2048: max_position_embeddings=512 with linear"):
+        EngineConfig.create(str(scaled), device="cpu", max_model_len=2049)
+
+
+def test_engine_options_are_checked(checkpoint):
+    _, folder = checkpoint
+    for kw, match in ((dict(tensor_parallel_size=0), "tensor_parallel_size"), (dict(block_size="16"), "block_size"),
+                      (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"), (dict(device="tpu"), "device"),
+                      (dict(max_num_seqs=0), "max_num_seqs"), (dict(cuda_graph_sizes=(0, 4)), "cuda_graph_sizes"),
+                      (dict(placement_strategy="X"), "placement_strategy"), (dict(bogus=1), "bogus")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            EngineConfig.create(folder, **kw)
+    if not torch.cuda.is_available():
+        runner_cfg = EngineConfig.create(folder, device="cuda")
+        with pytest.raises(ValueError, match="sees no CUDA GPU"):
+            ModelRunner(runner_cfg)

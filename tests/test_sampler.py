@@ -330,7 +330,7 @@ def test_build_off_values_and_flags():
     assert t.top_k.tolist() == [10, 10, 10, 10]
     assert not (t.any_top_k or t.any_top_p or t.any_min_p or t.any_penalties or t.any_seeded)
     assert not t.all_greedy and t.num_logprobs == 0 and not t.want_logprobs
-    assert t.prompt_tokens.shape == (4, 0) and t.output_tokens.shape == (4, 0)
+    assert t.prompt_mask is None and t.output_counts is None
     # flags ignore greedy rows
     t = build([P(temperature=0.0, top_k=3, top_p=0.5, min_p=0.1, seed=1)], 10)
     assert t.all_greedy and not (t.any_top_k or t.any_top_p or t.any_min_p or t.any_seeded)

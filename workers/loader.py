@@ -295,20 +295,23 @@ def check_weight_shapes(expected: dict[str, tuple[int, ...]], found: dict[str, t
 
 
 def load_model(path: str | os.PathLike, model_cls: type, tp: TPGroup,
-               dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu") -> torch.nn.Module:
+               dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu",
+               max_model_len: int | None = None) -> torch.nn.Module:
     """Build `model_cls` (an nn.Module following `LoadableModel`) for this rank and fill it from
     the checkpoint at `path`.
 
     The model receives the full HF config (a multimodal wrapper's too: its weight names depend on
     it; `text_config(config)` is the language part). Missing shards and wrong shapes are raised
     before any tensor data is read; only the tensors named by `expected_checkpoint_shapes()` are
-    read and handed to `load_weights`, which shards each one itself.
+    read and handed to `load_weights`, which shards each one itself. `max_model_len` sizes the
+    rotary caches (default: the config's max_position_embeddings).
     """
     config = load_hf_config(path)
     device = torch.device(device)
     resolved = resolve_dtype(config, dtype, device)
     found = get_weight_shapes(path)
-    model = model_cls(config, tp=tp, dtype=resolved, device=device)
+    extra = {"max_positions": max_model_len} if max_model_len else {}
+    model = model_cls(config, tp=tp, dtype=resolved, device=device, **extra)
     expected = model.expected_checkpoint_shapes()
     check_weight_shapes(expected, found)
     with torch.no_grad():
@@ -320,11 +323,29 @@ def load_model(path: str | os.PathLike, model_cls: type, tp: TPGroup,
 
 
 def get_model(model: str, tp: TPGroup, dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu",
-              revision: str | None = None) -> torch.nn.Module:
+              revision: str | None = None, max_model_len: int | None = None,
+              load_format: str = "auto", seed: int = 0) -> torch.nn.Module:
     """The whole path from an id or folder to a loaded rank shard, in the order that fails
-    cheapest first (id, then architecture, then shards and shapes, then data)."""
+    cheapest first (id, then architecture, then shards and shapes, then data). `load_format`
+    "dummy" (vLLM's name) reads no weights: the folder needs only its config.json, and the
+    weights are random (uniform in +-1e-3, as vLLM's), for benchmarks."""
     from workers.models import get_model_class
 
     path = resolve_model_path(model, revision)
     model_cls = get_model_class(getattr(load_hf_config(path), "architectures", None))
-    return load_model(path, model_cls, tp, dtype, device)
+    if load_format == "dummy":
+        return dummy_model(path, model_cls, tp, dtype, device, max_model_len, seed)
+    return load_model(path, model_cls, tp, dtype, device, max_model_len)
+
+
+def dummy_model(path: str | os.PathLike, model_cls: type, tp: TPGroup, dtype: str | torch.dtype = "auto",
+                device: torch.device | str = "cpu", max_model_len: int | None = None, seed: int = 0) -> torch.nn.Module:
+    config = load_hf_config(path)
+    device = torch.device(device)
+    extra = {"max_positions": max_model_len} if max_model_len else {}
+    model = model_cls(config, tp=tp, dtype=resolve_dtype(config, dtype, device), device=device, **extra)
+    gen = torch.Generator(device).manual_seed(seed + tp.rank)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.uniform_(-1e-3, 1e-3, generator=gen)
+    return model.eval()

@@ -1,32 +1,26 @@
 """One tensor-parallel rank: its shard of the model, its share of the KV cache, and the step.
 
-A step arrives as plain data (lists and dicts, msgpack-serialisable): requests admitted this
-step come with their tokens and block tables once; afterwards a request only sends its new
-tokens and the block ids appended to its tables. The runner flattens the scheduled requests into
-one batch (prefills, prefix-continuing chunks and decodes together), runs the model, and rank 0
-samples the last token of every request that needs one.
-
-Step format:
-    {"new": [{"id", "token_ids", "block_ids": [[...] per group], "sampling": {...}}],
-     "scheduled": [{"id", "num_computed", "num_tokens", "new_token_ids": [...],
-                    "new_block_ids": [[...] per group], "sample": bool}],
-     "finished": [ids]}
-`num_computed` tokens of the request are in the cache already; the step computes the next
-`num_tokens`. `new_token_ids` are tokens the runner has not seen (the ones sampled last step);
-the entries of `new_block_ids` are appended to the request's tables.
+`execute(plan)` applies the plan to the persistent batch (`workers.input_batch`), runs the model
+(a CUDA graph for decode steps, eagerly otherwise) and samples; it launches all of that on the
+device and returns at once with a `PendingOutput`, whose `get()` waits for the sampled tokens.
+Every rank samples the same tokens from the same gathered logits (one generator per rank, seeded
+alike), so each keeps its rows' last tokens on its own device; only rank 0's come back.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
+import numpy as np
 import torch
 
+from distengine.config import EngineConfig
 from distengine.kv_cache.model_config import parse_model_config
 from distengine.kv_cache.plan import KVCachePlan, make_plan
+from distengine.step import StepOutput, StepPlan
+from workers.cuda_graphs import DecodeGraphs
+from workers.input_batch import InputBatch, StepInputs
 from workers.kv_cache import allocate_kv_cache
 from workers.loader import get_model
 from workers.parallel import TPGroup
-from workers.sampler import SamplingTensors, sample
+from workers.sampler import SamplerOutput, SamplingTensors, sample
 from workers.step_inputs import SeqStep, prepare_inputs
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -36,44 +30,101 @@ class KVCacheTooSmallError(ValueError):
     pass
 
 
-@dataclass
-class RequestState:
-    token_ids: list[int]
-    num_prompt_tokens: int
-    block_ids: list[list[int]]
-    sampling: dict = field(default_factory=dict)
+def resolve_device(device: str) -> torch.device:
+    """"auto": this process's GPU when it sees one, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but this process sees no CUDA GPU (use device='cpu' or 'auto')")
+    return torch.device(device)
+
+
+class _PinnedBuffers:
+    """Host buffers the sampled tokens are copied into, two of each (steps alternate), grown on
+    demand: a step's results are read while the next step's are being written."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.bufs: dict[tuple[str, int], torch.Tensor] = {}
+
+    def get(self, name: str, parity: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n = int(np.prod(shape)) if shape else 1
+        buf = self.bufs.get((name, parity))
+        if buf is None or buf.numel() < n or buf.dtype != dtype:
+            buf = torch.empty(max(n, 256), dtype=dtype, pin_memory=self.pin)
+            self.bufs[(name, parity)] = buf
+        return buf[:n].view(shape)
+
+
+class PendingOutput:
+    """A step's sampled tokens on their way to the host (a non-blocking copy and an event)."""
+
+    def __init__(self, step_id: int, req_ids: list[str], out: SamplerOutput, bufs: _PinnedBuffers,
+                 cuda: bool) -> None:
+        self.step_id, self.req_ids = step_id, req_ids
+        parity = step_id & 1
+        self.host: dict[str, torch.Tensor] = {}
+        for name, t in (("tokens", out.token_ids), ("logprobs", out.logprobs), ("top_ids", out.top_token_ids),
+                        ("top_lp", out.top_logprobs)):
+            if t is not None:
+                dst = bufs.get(name, parity, tuple(t.shape), t.dtype) if cuda else t
+                if cuda:
+                    dst.copy_(t, non_blocking=True)
+                self.host[name] = dst
+        self.event = None
+        if cuda:
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def get(self) -> StepOutput:
+        if self.event is not None:
+            self.event.synchronize()
+        h = self.host
+        return StepOutput(self.step_id, self.req_ids, h["tokens"].tolist(),
+                          h["logprobs"].tolist() if "logprobs" in h else None,
+                          h["top_ids"].tolist() if "top_ids" in h else None,
+                          h["top_lp"].tolist() if "top_lp" in h else None)
 
 
 class ModelRunner:
-    def __init__(self, model: str, tp: TPGroup = TPGroup(), device: str | torch.device = "cpu",
-                 dtype: str | torch.dtype = "auto", block_size: int = 16, max_model_len: int | None = None,
-                 max_num_batched_tokens: int = 2048) -> None:
-        self.tp, self.device = tp, torch.device(device)
-        self.model = get_model(model, tp, dtype, self.device)
+    def __init__(self, config: EngineConfig, tp: TPGroup = TPGroup(), device: torch.device | None = None) -> None:
+        self.config, self.tp = config, tp
+        self.device = device or resolve_device(config.device)
+        self.model = get_model(config.model, tp, config.dtype, self.device, max_model_len=config.max_model_len,
+                               load_format=config.load_format, seed=config.seed)
         self.dtype = next(self.model.parameters()).dtype
-        self.config = self.model.config
-        cfg = self.config.get_text_config().to_dict() if hasattr(self.config, "get_text_config") else self.config.to_dict()
-        self.plan: KVCachePlan = make_plan(parse_model_config(cfg, kv_cache_dtype=DTYPE_NAMES[self.dtype]),
-                                           tp.world_size, block_size, max_model_len)
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.vocab_size = self.config.get_text_config().vocab_size if hasattr(self.config, "get_text_config") \
-            else self.config.vocab_size
-        self.requests: dict[str, RequestState] = {}
+        hf = self.model.config
+        text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+        self.plan: KVCachePlan = make_plan(parse_model_config(text.to_dict(), kv_cache_dtype=DTYPE_NAMES[self.dtype]),
+                                           tp.world_size, config.block_size, config.max_model_len)
+        self.vocab_size = int(text.vocab_size)
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.batch = InputBatch(self.plan, config.max_num_seqs, self.vocab_size, self.device, config.debug_checks)
+        self.generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.use_graphs = self.device.type == "cuda" and not config.enforce_eager
+        self.graphs: DecodeGraphs | None = None
+        self.outputs = _PinnedBuffers(self.device.type == "cuda")
         self.kv_buffers: list[torch.Tensor] = []
+        self.num_blocks = 0
+        self.graph_memory_bytes = 0
 
     # ---- KV cache ------------------------------------------------------------------------
     def determine_num_blocks(self, gpu_memory_utilization: float = 0.9, cpu_kv_cache_gib: float = 1.0) -> int:
         """Blocks that fit in this rank's memory: on a GPU, what `gpu_memory_utilization` of the
-        device leaves after a profiling forward pass at the largest batch; on CPU, a fixed
-        budget. All ranks take the minimum. Refuses (clearly) a cache that cannot hold one
-        request of max_model_len."""
+        device leaves after a profiling forward pass at the largest batch (and the sampler at the
+        most requests) and after the decode CUDA graphs' own memory; on CPU, a fixed budget. All
+        ranks take the minimum. Refuses (clearly) a cache that cannot hold one request of
+        max_model_len."""
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
             self.profile_run()
+            if self.use_graphs:
+                self.graph_memory_bytes = self._measure_graph_memory()
             free, total = torch.cuda.mem_get_info(self.device)
             used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-            budget = total * gpu_memory_utilization - torch.cuda.max_memory_allocated(self.device) - used_by_others
+            budget = (total * gpu_memory_utilization - torch.cuda.max_memory_allocated(self.device) - used_by_others
+                      - self.graph_memory_bytes)
         else:
             budget = cpu_kv_cache_gib * (1 << 30)
         # On the rank's device: an NCCL group reduces CUDA tensors only.
@@ -106,62 +157,100 @@ class ModelRunner:
         self.kv_buffers = allocate_kv_cache(self.plan, self.model.attention_layers(), num_blocks, self.dtype,
                                             self.device)
         self.num_blocks = num_blocks
+        if self.use_graphs:
+            self.batch.reset_static()
+            self.graphs = DecodeGraphs(self.config.cuda_graph_sizes, self._decode_forward, self.device)
+            self.graphs.capture()
+
+    def _with_dummy_cache(self, fn):
+        """Run `fn` on a throwaway two-block cache (profiling), then unbind it."""
+        layers = self.model.attention_layers()
+        saved = {name: (a.kv_cache, a.group_id) for name, a in layers.items()}
+        allocate_kv_cache(self.plan, layers, 2, self.dtype, self.device)
+        try:
+            return fn()
+        finally:
+            for name, a in layers.items():
+                a.kv_cache, a.group_id = saved[name]
 
     def profile_run(self) -> None:
-        """A forward pass at the largest batch (max_num_batched_tokens over a few sequences) on
-        a throwaway two-block cache, so the peak activation memory is known."""
-        saved = {name: (a.kv_cache, a.group_id) for name, a in self.model.attention_layers().items()}
-        allocate_kv_cache(self.plan, self.model.attention_layers(), 2, self.dtype, self.device)
-        n, groups = self.max_num_batched_tokens, len(self.plan.groups)
-        seqs = [SeqStep([0] * n, 0, [[1] * (-(-n // self.plan.block_size))] * groups)]
-        ids, pos, meta, idx = prepare_inputs(seqs, self.plan.block_size, self.device)
-        with torch.no_grad():
-            self.model.compute_logits(self.model(ids, pos, meta)[idx])
-        torch.cuda.synchronize(self.device)
-        for name, a in self.model.attention_layers().items():
-            a.kv_cache, a.group_id = saved[name]
+        """A forward pass at the largest batch of tokens, then the LM head and the sampler at the
+        most requests with every sampling option on, so the peak activation memory is known."""
+        def run() -> None:
+            # The token budget as sequences no longer than max_model_len (longer ones would run
+            # positions past the rotary cache).
+            n, groups, bs = self.max_num_batched_tokens, len(self.plan.groups), self.plan.block_size
+            lens = [min(self.plan.max_model_len, n - i) for i in range(0, n, self.plan.max_model_len)]
+            seqs = [SeqStep([0] * m, 0, [[1] * (-(-m // bs))] * groups) for m in lens]
+            ids, pos, meta, _ = prepare_inputs(seqs, self.plan.block_size, self.device)
+            with torch.no_grad():
+                hidden = self.model(ids, pos, meta)
+                r = self.config.max_num_seqs
+                rows = torch.arange(r, device=self.device) % hidden.shape[0]
+                logits = self.model.compute_logits(hidden[rows])
+                p = dict(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, repetition_penalty=1.1,
+                         presence_penalty=0.1, frequency_penalty=0.1, logprobs=20)
+                gen = torch.Generator(self.device).manual_seed(0)  # the engine's generator stays untouched
+                sample(logits, SamplingTensors.build([p] * r, [[]] * r, [[]] * r, self.vocab_size, self.device, gen))
+            torch.cuda.synchronize(self.device)
+        self._with_dummy_cache(run)
+
+    def _measure_graph_memory(self) -> int:
+        """Device memory the decode graphs take: captured once on the throwaway cache, measured,
+        released (they are captured for real once the cache exists)."""
+        def run() -> int:
+            self.batch.reset_static()
+            torch.cuda.synchronize(self.device)
+            # torch.cuda.graph() empties the allocator's cache when it starts: empty it first, or
+            # the profiling pass's cached activations, released then, hide the graphs' memory.
+            torch.cuda.empty_cache()
+            free0, reserved0 = torch.cuda.mem_get_info(self.device)[0], torch.cuda.memory_reserved(self.device)
+            graphs = DecodeGraphs(self.config.cuda_graph_sizes, self._decode_forward, self.device)
+            graphs.capture()
+            free1, reserved1 = torch.cuda.mem_get_info(self.device)[0], torch.cuda.memory_reserved(self.device)
+            graphs.release()
+            # The graphs' pool (reserved by the allocator) and what the driver holds for them.
+            return max(0, free0 - free1, reserved1 - reserved0)
+        return self._with_dummy_cache(run)
+
+    def _decode_forward(self, size: int) -> torch.Tensor:
+        ids, pos, meta = self.batch.decode_inputs(size)
+        return self.model.compute_logits(self.model(ids, pos, meta))
 
     # ---- the step ------------------------------------------------------------------------
-    def execute(self, step: dict) -> dict | None:
-        """Run one step; rank 0 returns {"token_ids": [...], "logprobs": ...} in the order of the
-        scheduled requests that sample, other ranks None."""
-        for rid in step.get("finished", ()):
-            self.requests.pop(rid, None)
-        for r in step.get("new", ()):
-            self.requests[r["id"]] = RequestState(list(r["token_ids"]), len(r["token_ids"]),
-                                                  [list(t) for t in r["block_ids"]], dict(r.get("sampling") or {}))
-        seqs, sampled = [], []
-        for s in step.get("scheduled", ()):
-            st = self.requests.get(s["id"])
-            if st is None:
-                raise KeyError(f"step schedules request {s['id']} that was never sent")
-            st.token_ids.extend(s.get("new_token_ids", ()))
-            for table, new in zip(st.block_ids, s.get("new_block_ids", ())):
-                table.extend(new)
-            c, n = s["num_computed"], s["num_tokens"]
-            if c + n > len(st.token_ids):
-                raise ValueError(f"request {s['id']}: step computes tokens up to {c + n}, the runner knows "
-                                 f"{len(st.token_ids)}")
-            seqs.append(SeqStep(st.token_ids[c:c + n], c, st.block_ids, bool(s.get("sample", True))))
-            if s.get("sample", True):
-                sampled.append(st)
-        if not seqs:
-            return {"token_ids": []} if self.tp.rank == 0 else None
-        ids, pos, meta, idx = prepare_inputs(seqs, self.plan.block_size, self.device)
+    def execute(self, plan: StepPlan) -> PendingOutput | None:
+        """Launch one step; rank 0 gets a `PendingOutput` when something is sampled."""
+        batch = self.batch
+        for rid in plan.finished_req_ids:
+            batch.remove(rid)
+        for req in plan.new_requests:
+            batch.add(req)
+        if not plan.scheduled:
+            return None
+        step = batch.prepare(plan.scheduled, self.graphs.sizes if self.graphs else None)
         with torch.no_grad():
-            hidden = self.model(ids, pos, meta)
-            if not sampled:
-                return {"token_ids": []} if self.tp.rank == 0 else None
-            logits = self.model.compute_logits(hidden[idx])  # collective: every rank takes part
+            logits = self._logits(step)
+            if logits is None:
+                return None
+            t = batch.sampling_tensors(step, self.generator)
+            out = sample(logits, t)
+            batch.record_sampled(step, out.token_ids, t.any_penalties)
         if self.tp.rank != 0:
             return None
-        t = SamplingTensors.build([st.sampling for st in sampled], [st.token_ids[:st.num_prompt_tokens] for st in sampled],
-                                  [st.token_ids[st.num_prompt_tokens:] for st in sampled], self.vocab_size, self.device)
-        out = sample(logits, t)
-        result = {"token_ids": out.token_ids.tolist()}
-        if out.logprobs is not None:
-            result["logprobs"] = out.logprobs.tolist()
-        if out.top_logprobs is not None:
-            result["top_logprobs"] = out.top_logprobs.tolist()
-            result["top_token_ids"] = out.top_token_ids.tolist()
-        return result
+        return PendingOutput(plan.step_id, step.sample_req_ids, out, self.outputs, self.device.type == "cuda")
+
+    def _logits(self, step: StepInputs) -> torch.Tensor | None:
+        """The logits of the step's sampling requests (every rank computes them: the LM head's
+        gather is a collective)."""
+        if step.graph_size is not None:
+            logits = self.graphs.replay(step.graph_size)
+            if not step.sample_req_ids:
+                return None
+            if len(step.sample_req_ids) == step.num_seqs:
+                return logits[:step.num_seqs]
+            return logits[self.batch.staging.view(step.sections["sample_seq"]).long()]
+        ids, pos, meta, idx = self.batch.eager_inputs(step)
+        hidden = self.model(ids, pos, meta)
+        if not step.sample_req_ids:
+            return None
+        return self.model.compute_logits(hidden[idx])

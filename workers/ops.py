@@ -8,6 +8,7 @@ from kernels.kv_store import store_kv, store_kv_ref
 from kernels.layernorm import rms_norm, rms_norm_ref
 from kernels.paged_attention import paged_attention
 from kernels.paged_attention_ref import paged_attention_ref
+from kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
 from kernels.rotary import rotary_embedding, rotary_embedding_ref
 
 
@@ -19,6 +20,7 @@ rms_norm_op = _pick(rms_norm, rms_norm_ref)
 rotary_op = _pick(rotary_embedding, rotary_embedding_ref)
 store_kv_op = _pick(store_kv, store_kv_ref)
 paged_attention_op = _pick(paged_attention, paged_attention_ref)
+qk_norm_rope_op = _pick(qk_norm_rope, qk_norm_rope_ref)
 ACTIVATIONS = {
     "silu": _pick(silu_and_mul, silu_and_mul_ref),
     "gelu_pytorch_tanh": _pick(gelu_tanh_and_mul, gelu_tanh_and_mul_ref),
@@ -32,4 +34,4 @@ def act_and_mul(name: str):
     return ACTIVATIONS[name]
 
 
-__all__ = ["rms_norm_op", "rotary_op", "store_kv_op", "paged_attention_op", "act_and_mul", "torch"]
+__all__ = ["rms_norm_op", "rotary_op", "store_kv_op", "paged_attention_op", "qk_norm_rope_op", "act_and_mul", "torch"]

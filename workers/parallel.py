@@ -17,18 +17,56 @@ class TPGroup:
     rank: int = 0
     world_size: int = 1
     group: Any = None  # torch.distributed process group; None: the default group
+    custom: Any = None  # a faster all-reduce for small GPU tensors (SymmMemAllReduce), or None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the group: in place through NCCL, or a new tensor through `custom`."""
         if self.world_size > 1:
+            if self.custom is not None:
+                out = self.custom(x)
+                if out is not None:
+                    return out
             dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         if self.world_size == 1:
             return x
+        x = x.contiguous()
+        if x.is_cuda:  # one output tensor, one collective (what a CUDA graph captures best)
+            out = torch.empty((self.world_size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+            dist.all_gather_into_tensor(out, x, group=self.group)
+            return torch.cat(out.unbind(0), dim=dim)
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        dist.all_gather(parts, x, group=self.group)
         return torch.cat(parts, dim=dim)
+
+
+class SymmMemAllReduce:
+    """A one-shot all-reduce over NVLink for the small tensors of decode steps: each rank copies
+    its tensor into a symmetric buffer and one kernel sums every peer's buffer with peer-to-peer
+    loads (torch symmetric memory; no multicast). Its kernel waits for every rank on entry and on
+    exit, so one buffer serves call after call; it runs inside CUDA graphs. Larger tensors, other
+    dtypes and CPU tensors return None: the caller uses NCCL."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, max_bytes: int, group: Any = None) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+        self.group_name = (group or dist.group.WORLD).group_name
+        self.dtype = dtype
+        self.max_numel = max_bytes // torch.empty((), dtype=dtype).element_size()
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)  # needed before torch 2.8
+        if enable is not None:
+            enable(self.group_name)
+        self.buffer = symm_mem.empty(self.max_numel, dtype=dtype, device=device)
+        symm_mem.rendezvous(self.buffer, self.group_name)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        n = x.numel()
+        if not x.is_cuda or x.dtype != self.dtype or n > self.max_numel or not x.is_contiguous():
+            return None
+        buf = self.buffer[:n]
+        buf.copy_(x.view(-1))
+        return torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", self.group_name).view_as(x)
 
 
 def init_tp_group(rank: int, world_size: int, init_method: str, backend: str | None = None) -> TPGroup:

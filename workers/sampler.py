@@ -23,8 +23,9 @@ Pipeline of `sample` (row = one request sampled this step):
    shift-invariant map per row; no softmax, no underflow).  ``q = -log(u)`` with ``u`` uniform
    in (0, 1):
 
-   * unseeded rows: ``u`` from ``torch.rand`` with the device's default generator (so
-     ``torch.manual_seed`` makes a run reproducible; CUDA-graph capturable);
+   * unseeded rows: ``u`` from ``torch.rand`` with `SamplingTensors.generator` (the workers
+     seed one per rank identically, so every tensor-parallel rank draws the same tokens), or the
+     device's default generator when it is None;
    * seeded rows: ``u`` from a counter-based hash of (seed, output_token_count, token id):
      ``row_key = mix(mix(seed) ^ mix(count + c))``, ``z = mix(row_key + (token_id + 1) * golden)``,
      ``u = (2 * (top 23 bits of z) + 1) / 2**24``, where ``mix`` is the splitmix64 finaliser evaluated
@@ -40,7 +41,6 @@ any row is seeded, and a sort of [N, V] when any row uses top-k or top-p.
 """
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 
@@ -93,14 +93,91 @@ def seeded_uniform(seeds: Tensor, counts: Tensor, vocab_size: int) -> Tensor:
     return (_shr(z, 41) * 2 + 1).to(torch.float32) * (2.0 ** -24)
 
 
+@dataclass(frozen=True)
+class RowParams:
+    """One request's sampling parameters, checked and normalised (see `row_params`)."""
+    temperature: float  # 0 = greedy
+    top_k: int          # V = off
+    top_p: float
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    seed: int           # low 64 bits as a signed int64; 0 when unseeded
+    has_seed: bool
+    num_logprobs: int   # top-k size asked (V for -1), 0 for none
+    want_logprobs: bool
+    has_top_k: bool     # top_k < V
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_counts(self) -> bool:
+        """A penalty that reads the output token counts."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+def row_params(p: dict, vocab_size: int, index: int = 0) -> RowParams:
+    """Validate and normalise one request's param dict (`SamplingParams.to_worker_dict()`).
+    Missing / None keys take their "off" defaults; a broken value raises ValueError naming the
+    field (and the request's index)."""
+    V = int(vocab_size)
+
+    def get(key, default):
+        v = p.get(key, default)
+        return default if v is None else v
+
+    def bad(field, v, rule):
+        return ValueError(f"request {index}: {field} must be {rule}, got {v!r}")
+
+    temp = float(get("temperature", 1.0))
+    if not math.isfinite(temp) or temp < 0:
+        raise bad("temperature", temp, "finite and >= 0")
+    tk = get("top_k", 0)
+    if isinstance(tk, bool) or int(tk) != tk or tk < -1:
+        raise bad("top_k", tk, "an int >= 0 (or -1 = off)")
+    tk = int(tk)
+    tp = float(get("top_p", 1.0))
+    if not (0.0 < tp <= 1.0):
+        raise bad("top_p", tp, "in (0, 1]")
+    mp = float(get("min_p", 0.0))
+    if not (0.0 <= mp <= 1.0):
+        raise bad("min_p", mp, "in [0, 1]")
+    pp = float(get("presence_penalty", 0.0))
+    if not math.isfinite(pp):
+        raise bad("presence_penalty", pp, "finite")
+    fp = float(get("frequency_penalty", 0.0))
+    if not math.isfinite(fp):
+        raise bad("frequency_penalty", fp, "finite")
+    rp = float(get("repetition_penalty", 1.0))
+    if not math.isfinite(rp) or rp <= 0:
+        raise bad("repetition_penalty", rp, "finite and > 0")
+    seed = p.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise bad("seed", seed, "None or an int")
+    lp = p.get("logprobs")
+    if lp is not None:
+        if isinstance(lp, bool) or not isinstance(lp, int) or lp < -1:
+            raise bad("logprobs", lp, "None, an int >= 0, or -1 (= whole vocabulary)")
+        lp = V if lp == -1 else min(lp, V)
+    greedy = temp < SAMPLING_EPS
+    return RowParams(temperature=0.0 if greedy else temp, top_k=V if tk <= 0 or tk >= V else tk, top_p=tp,
+                     min_p=mp, presence_penalty=pp, frequency_penalty=fp, repetition_penalty=rp,
+                     seed=_i64(seed) if seed is not None else 0, has_seed=seed is not None,
+                     num_logprobs=lp or 0, want_logprobs=lp is not None, has_top_k=0 < tk < V)
+
+
 @dataclass
 class SamplingTensors:
     """Per-step sampling parameters, one row per request sampled this step (same order as the
-    logits rows).  Build it with `build`; tensors live on the logits' device.
+    logits rows); tensors live on the logits' device. `build` packs them from param dicts and
+    token lists; the workers' persistent batch gathers them from its device-resident rows.
 
-    Conventions: temperature 0 = greedy; top_k in {0, <0, >= V} = off (build stores V);
+    Conventions: temperature 0 = greedy; top_k in {0, <0, >= V} = off (stored as V);
     top_p 1 = off; min_p 0 = off; presence/frequency 0 = off; repetition 1 = off.
-    Token tensors are padded with ``vocab_size`` and are [N, 0] when not needed.
+    The penalty state is None when no row needs it.
     """
     temperature: Tensor          # [N] float32
     top_k: Tensor                # [N] int64
@@ -111,9 +188,9 @@ class SamplingTensors:
     repetition_penalty: Tensor   # [N] float32
     seeds: Tensor                # [N] int64 (seed's low 64 bits, as signed)
     has_seed: Tensor             # [N] bool
-    output_token_counts: Tensor  # [N] int64
-    prompt_tokens: Tensor        # [N, Lp] int64, padded with vocab_size
-    output_tokens: Tensor        # [N, Lo] int64, padded with vocab_size
+    output_token_counts: Tensor  # [N] int64: tokens each request has produced so far
+    prompt_mask: Tensor | None   # [N, V] bool: the token occurs in the prompt (repetition penalty)
+    output_counts: Tensor | None  # [N, V] int32: occurrences in the output (all penalties)
     num_logprobs: int            # K of top_logprobs (0 = none)
     any_penalties: bool
     any_top_k: bool
@@ -121,15 +198,28 @@ class SamplingTensors:
     any_min_p: bool
     all_greedy: bool
     any_seeded: bool
-    # Extras beyond the minimal spec (defaults keep hand-built instances working).
     want_logprobs: bool = False  # some request asked for logprobs (even logprobs=0): fill .logprobs
     all_seeded: bool = False     # every non-greedy row is seeded: skip torch.rand
+    generator: torch.Generator | None = None  # for unseeded rows (every TP rank draws the same)
+
+    @staticmethod
+    def flags(rows: list[RowParams]) -> dict:
+        """The batch flags, over the rows that sample (greedy rows ignore top-k/p, min-p, seeds)."""
+        sampled = [r for r in rows if not r.greedy]
+        return dict(num_logprobs=max((r.num_logprobs for r in rows), default=0),
+                    any_penalties=any(r.uses_counts for r in rows),
+                    any_top_k=any(r.has_top_k for r in sampled),
+                    any_top_p=any(r.top_p < 1.0 for r in sampled),
+                    any_min_p=any(r.min_p > 0.0 for r in sampled),
+                    all_greedy=not sampled, any_seeded=any(r.has_seed for r in sampled),
+                    want_logprobs=any(r.want_logprobs for r in rows),
+                    all_seeded=bool(sampled) and all(r.has_seed for r in sampled))
 
     @classmethod
     def build(cls, params: list[dict], prompt_token_ids: list[list[int]],
-              output_token_ids: list[list[int]], vocab_size: int, device) -> "SamplingTensors":
-        """Validate and pack per-request params.  Missing / None keys take their "off" defaults.
-        Raises ValueError naming the field (and request index) for broken values."""
+              output_token_ids: list[list[int]], vocab_size: int, device,
+              generator: torch.Generator | None = None) -> "SamplingTensors":
+        """Validate and pack per-request params (see `row_params`) and token lists."""
         n = len(params)
         if len(prompt_token_ids) != n or len(output_token_ids) != n:
             raise ValueError(f"params ({n}), prompt_token_ids ({len(prompt_token_ids)}) and "
@@ -137,109 +227,31 @@ class SamplingTensors:
         if vocab_size <= 0:
             raise ValueError(f"vocab_size must be > 0, got {vocab_size}")
         V = int(vocab_size)
-
-        temps, top_ks, top_ps, min_ps, pres, freq, reps, seeds, has_seed, nlps = ([] for _ in range(10))
-        want_lp = False
-        for i, p in enumerate(params):
-            def get(key, default):
-                v = p.get(key, default)
-                return default if v is None else v
-
-            def bad(field, v, rule):
-                return ValueError(f"request {i}: {field} must be {rule}, got {v!r}")
-
-            temp = float(get("temperature", 1.0))
-            if not math.isfinite(temp) or temp < 0:
-                raise bad("temperature", temp, "finite and >= 0")
-            tk = get("top_k", 0)
-            if isinstance(tk, bool) or int(tk) != tk or tk < -1:
-                raise bad("top_k", tk, "an int >= 0 (or -1 = off)")
-            tk = int(tk)
-            tp = float(get("top_p", 1.0))
-            if not (0.0 < tp <= 1.0):
-                raise bad("top_p", tp, "in (0, 1]")
-            mp = float(get("min_p", 0.0))
-            if not (0.0 <= mp <= 1.0):
-                raise bad("min_p", mp, "in [0, 1]")
-            pp = float(get("presence_penalty", 0.0))
-            if not math.isfinite(pp):
-                raise bad("presence_penalty", pp, "finite")
-            fp = float(get("frequency_penalty", 0.0))
-            if not math.isfinite(fp):
-                raise bad("frequency_penalty", fp, "finite")
-            rp = float(get("repetition_penalty", 1.0))
-            if not math.isfinite(rp) or rp <= 0:
-                raise bad("repetition_penalty", rp, "finite and > 0")
-            seed = p.get("seed")
-            if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-                raise bad("seed", seed, "None or an int")
-            lp = p.get("logprobs")
-            if lp is not None:
-                if isinstance(lp, bool) or not isinstance(lp, int) or lp < -1:
-                    raise bad("logprobs", lp, "None, an int >= 0, or -1 (= whole vocabulary)")
-                want_lp = True
-                lp = V if lp == -1 else lp
-
-            greedy = temp < SAMPLING_EPS
-            temps.append(0.0 if greedy else temp)
-            top_ks.append(V if tk <= 0 or tk >= V else tk)
-            top_ps.append(tp)
-            min_ps.append(mp)
-            pres.append(pp)
-            freq.append(fp)
-            reps.append(rp)
-            seeds.append(_i64(seed) if seed is not None else 0)
-            has_seed.append(seed is not None)
-            nlps.append(lp or 0)
-
-        sampled = [temps[i] != 0.0 for i in range(n)]  # flags below describe non-greedy rows only
-        any_rep = any(r != 1.0 for r in reps)
-        any_penalties = any_rep or any(x != 0.0 for x in pres) or any(x != 0.0 for x in freq)
-        any_seeded = any(s and h for s, h in zip(sampled, has_seed))
-
+        rows = [row_params(p, V, i) for i, p in enumerate(params)]
+        flags = cls.flags(rows)
         dev = torch.device(device)
-        pin = dev.type == "cuda"
+        any_rep = any(r.repetition_penalty != 1.0 for r in rows)
 
-        def put(t: Tensor) -> Tensor:
-            if pin:
-                t = t.pin_memory()
-            return t.to(dev, non_blocking=True)
+        def counts(lists: list[list[int]]) -> Tensor:
+            out = torch.zeros((n, V), dtype=torch.int32)
+            for i, toks in enumerate(lists):
+                if toks:
+                    out[i] += torch.bincount(torch.tensor(toks, dtype=torch.int64), minlength=V).to(torch.int32)
+            return out.to(dev)
 
-        def padded(rows: list[list[int]], need: bool) -> Tensor:
-            if not need:
-                return torch.empty((n, 0), dtype=torch.int64)
-            lens = torch.tensor([len(r) for r in rows], dtype=torch.int64)
-            width = max((len(r) for r in rows), default=0)
-            out = torch.full((n, width), V, dtype=torch.int64)
-            if width:
-                flat = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.int64)
-                out[torch.arange(width).unsqueeze(0) < lens.unsqueeze(1)] = flat
-            return out
+        def col(name: str, dtype) -> Tensor:
+            return torch.tensor([getattr(r, name) for r in rows], dtype=dtype).to(dev)
 
-        f32 = dict(dtype=torch.float32)
+        f32 = torch.float32
         return cls(
-            temperature=put(torch.tensor(temps, **f32)),
-            top_k=put(torch.tensor(top_ks, dtype=torch.int64)),
-            top_p=put(torch.tensor(top_ps, **f32)),
-            min_p=put(torch.tensor(min_ps, **f32)),
-            presence_penalty=put(torch.tensor(pres, **f32)),
-            frequency_penalty=put(torch.tensor(freq, **f32)),
-            repetition_penalty=put(torch.tensor(reps, **f32)),
-            seeds=put(torch.tensor(seeds, dtype=torch.int64)),
-            has_seed=put(torch.tensor(has_seed, dtype=torch.bool)),
-            output_token_counts=put(torch.tensor([len(o) for o in output_token_ids], dtype=torch.int64)),
-            prompt_tokens=put(padded(prompt_token_ids, any_rep)),
-            output_tokens=put(padded(output_token_ids, any_penalties)),
-            num_logprobs=min(max(nlps, default=0), V),
-            any_penalties=any_penalties,
-            any_top_k=any(s and k < V for s, k in zip(sampled, top_ks)),
-            any_top_p=any(s and x < 1.0 for s, x in zip(sampled, top_ps)),
-            any_min_p=any(s and x > 0.0 for s, x in zip(sampled, min_ps)),
-            all_greedy=not any(sampled),
-            any_seeded=any_seeded,
-            want_logprobs=want_lp,
-            all_seeded=any(sampled) and all(h for s, h in zip(sampled, has_seed) if s),
-        )
+            temperature=col("temperature", f32), top_k=col("top_k", torch.int64), top_p=col("top_p", f32),
+            min_p=col("min_p", f32), presence_penalty=col("presence_penalty", f32),
+            frequency_penalty=col("frequency_penalty", f32), repetition_penalty=col("repetition_penalty", f32),
+            seeds=col("seed", torch.int64), has_seed=col("has_seed", torch.bool),
+            output_token_counts=torch.tensor([len(o) for o in output_token_ids], dtype=torch.int64).to(dev),
+            prompt_mask=counts(prompt_token_ids).gt(0) if any_rep else None,
+            output_counts=counts(output_token_ids) if flags["any_penalties"] else None,
+            generator=generator, **flags)
 
 
 @dataclass
@@ -253,20 +265,9 @@ class SamplerOutput:
 def apply_penalties(logits: Tensor, t: SamplingTensors) -> Tensor:
     """Repetition, frequency and presence penalties (vLLM semantics) -> new float32 [N, V]."""
     x = logits.to(torch.float32, copy=True)
-    N, V = x.shape
-    out_counts = None
-    if t.output_tokens.shape[1]:
-        out_tok = t.output_tokens.clamp(max=V)  # padding (vocab_size) -> the dropped column V
-        out_counts = torch.zeros((N, V + 1), dtype=torch.float32, device=x.device)
-        out_counts.scatter_add_(1, out_tok, torch.ones_like(out_tok, dtype=torch.float32))
-        out_counts = out_counts[:, :V]
+    out_counts = t.output_counts.to(torch.float32) if t.output_counts is not None else None
     out_mask = out_counts > 0 if out_counts is not None else None
-
-    seen = None
-    if t.prompt_tokens.shape[1]:
-        seen = torch.zeros((N, V + 1), dtype=torch.bool, device=x.device)
-        seen.scatter_(1, t.prompt_tokens.clamp(max=V), True)
-        seen = seen[:, :V]
+    seen = t.prompt_mask
     if out_mask is not None:
         seen = out_mask if seen is None else seen | out_mask
     if seen is not None:
@@ -295,13 +296,15 @@ def _top_k_top_p(x: Tensor, t: SamplingTensors) -> Tensor:
 
 
 def _uniform_noise(t: SamplingTensors, N: int, V: int, device) -> Tensor:
+    def unseeded() -> Tensor:
+        return torch.rand((N, V), dtype=torch.float32, device=device, generator=t.generator).clamp_min_(2.0 ** -25)
+
     if t.any_seeded:
         seeded = seeded_uniform(t.seeds, t.output_token_counts, V)
         if t.all_seeded:
             return seeded
-        unseeded = torch.rand((N, V), dtype=torch.float32, device=device).clamp_min_(2.0 ** -25)
-        return torch.where(t.has_seed.unsqueeze(1), seeded, unseeded)
-    return torch.rand((N, V), dtype=torch.float32, device=device).clamp_min_(2.0 ** -25)
+        return torch.where(t.has_seed.unsqueeze(1), seeded, unseeded())
+    return unseeded()
 
 
 def _random_sample(x: Tensor, t: SamplingTensors) -> Tensor:

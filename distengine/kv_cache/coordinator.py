@@ -70,7 +70,7 @@ class KVCacheCoordinator:
             # Computed blocks not registered yet: Mamba states, and attention blocks whose
             # registration was deferred (see quiet_limits).
             for m in managers:
-                m.cache_blocks(request.request_id, request.block_hashes, request.num_computed_tokens)
+                m.cache_blocks(request.request_id, request.block_hashes, request.num_known_computed_tokens)
         hits = [[new_computed[g] for g in m.group_ids] if new_computed else None for m in managers]
         need = 0
         for m, sub in zip(managers, hits):
@@ -101,7 +101,7 @@ class KVCacheCoordinator:
         # Full blocks whose registration was deferred to the next allocation (see quiet_limits).
         if self.enable_caching:
             for m in self.managers:
-                m.cache_blocks(request.request_id, request.block_hashes, request.num_computed_tokens)
+                m.cache_blocks(request.request_id, request.block_hashes, request.num_known_computed_tokens)
         for m in self.managers:
             m.free(request.request_id)
 

@@ -80,7 +80,8 @@ class KVCacheManager:
             quiet = self._quiet.get(request.request_id)
             if quiet is not None:
                 end = request.num_computed_tokens + num_new_tokens
-                if end <= quiet[0] and request.num_computed_tokens <= quiet[1] and end <= len(request.all_token_ids):
+                if end <= quiet[0] and request.num_computed_tokens <= quiet[1] and \
+                        end <= len(request.all_token_ids) + request.num_output_placeholders:
                     return self.coordinator.nothing_appended
         if num_new_tokens < 0 or num_lookahead_tokens < 0 or num_new_computed_tokens < 0:
             raise ValueError(f"request {request.request_id}: negative token count "
@@ -91,18 +92,20 @@ class KVCacheManager:
         if num_tokens > self.max_model_len:
             raise ValueError(f"request {request.request_id}: {num_tokens} tokens exceed max_model_len "
                              f"{self.max_model_len}")
-        if num_computed + num_new_tokens > request.num_tokens:
+        if num_computed + num_new_tokens > request.num_tokens + request.num_output_placeholders:
             raise ValueError(f"request {request.request_id}: asked to compute up to token "
                              f"{num_computed + num_new_tokens} but it has {request.num_tokens}")
         coordinator = self.coordinator
+        # Only known tokens are hashed and cached: a placeholder's value is still in flight.
+        known_end = min(num_computed + num_new_tokens, request.num_tokens)
         if self.enable_caching:
-            self._update_block_hashes(request, num_computed + num_new_tokens)
+            self._update_block_hashes(request, known_end)
         new = coordinator.allocate_slots(request, num_computed, num_tokens, new_computed_blocks)
         if new is None:
             return None
         if self.enable_caching:
             # Lookahead (speculative) slots are not cached: their tokens may be rejected.
-            coordinator.cache_blocks(request, num_computed + num_new_tokens)
+            coordinator.cache_blocks(request, known_end)
         tokens, computed = coordinator.quiet_limits(request.request_id)
         self._quiet[request.request_id] = (min(tokens, self.max_model_len), computed)
         return new
@@ -110,7 +113,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Return a request's blocks (finished, preempted or aborted); cached ones stay findable."""
         if self.enable_caching:
-            self._update_block_hashes(request, request.num_computed_tokens)
+            self._update_block_hashes(request, request.num_known_computed_tokens)
         self._quiet.pop(request.request_id, None)
         self.coordinator.free(request)
 

@@ -259,3 +259,56 @@ def _kv_sharing(text: dict, kinds: list[str], names: list[str]) -> dict[int, str
             raise ConfigError(f"layer {i} shares KV but no earlier {kinds[i]} layer exists")
         out[i] = names[targets[-1]]
     return out
+
+
+# Rope types whose config already states the extended length in max_position_embeddings.
+_UNSCALED_ROPE = ("default", "su", "longrope", "llama3", "mrope")
+
+
+def _rope_scalings(text: dict) -> list[dict]:
+    """The rope scaling dicts of a text config: transformers 5's `rope_parameters` (one dict, or
+    one per layer type as Gemma-3's) or the older `rope_scaling`."""
+    found = []
+    for key in ("rope_parameters", "rope_scaling"):
+        value = text.get(key)
+        if isinstance(value, dict):
+            nested = [v for v in value.values() if isinstance(v, dict)]
+            found += nested or [value]
+    return found
+
+
+def _text_with_defaults(cfg: dict) -> dict:
+    text = cfg.get("text_config") or cfg
+    mt = text.get("model_type") or cfg.get("model_type") or ""
+    return {**_MODEL_TYPE_DEFAULTS.get(mt, {}), **{k: v for k, v in text.items() if v is not None}}
+
+
+def config_positions(cfg: dict) -> tuple[int, str]:
+    """(the positions the config states, the key stating them)."""
+    text = _text_with_defaults(cfg)
+    for key in ("max_position_embeddings", "max_seq_len", "seq_length", "n_positions"):
+        value = text.get(key) or cfg.get(key)
+        if value:
+            return int(value), key
+    raise ConfigError("config lacks max_position_embeddings: give max_model_len")
+
+
+def max_positions(cfg: dict) -> tuple[int, str]:
+    """(the longest sequence the model's positions allow, where that figure comes from).
+
+    As vLLM's derived max_model_len: the config's max_position_embeddings (or max_seq_len,
+    seq_length), times the rope scaling factor for scalings that extend it (linear, dynamic,
+    yarn from its original_max_position_embeddings); llama3 and longrope configs already state
+    the extended length."""
+    base, source = config_positions(cfg)
+    best, why = base, f"{source}={base} in config.json"
+    for rs in _rope_scalings(_text_with_defaults(cfg)):
+        kind = rs.get("rope_type", rs.get("type")) or "default"
+        factor = rs.get("factor")
+        if kind in _UNSCALED_ROPE or not factor:
+            continue
+        start = int(rs.get("original_max_position_embeddings") or base) if kind == "yarn" else base
+        scaled = int(start * float(factor))
+        if scaled > best:
+            best, why = scaled, f"{source}={base} with {kind} rope scaling x{float(factor):g}"
+    return best, why

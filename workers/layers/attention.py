@@ -48,8 +48,9 @@ class Attention(nn.Module):
         q = q.reshape(n, self.num_heads, self.head_dim)
         store_kv_op(k.reshape(n, self.num_kv_heads, self.head_dim), v.reshape(n, self.num_kv_heads, self.head_dim),
                     self.kv_cache, meta.slot_mappings[self.group_id])
+        # q may be a view of the fused qkv output: the kernel reads it through its strides.
         out = paged_attention_op(
-            q.contiguous(), self.kv_cache, meta.block_tables[self.group_id], meta.query_start_loc, meta.seq_lens,
+            q, self.kv_cache, meta.block_tables[self.group_id], meta.query_start_loc, meta.seq_lens,
             meta.max_query_len, meta.max_seq_len, self.scale, sliding_window=self.sliding_window,
             chunk_size=self.chunk_size, softcap=self.softcap, sinks=self.sinks)
         return out.reshape(n, self.num_heads * self.head_dim)

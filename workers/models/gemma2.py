@@ -64,10 +64,15 @@ class Gemma2DecoderLayer(LlamaDecoderLayer):
 
 
 class GemmaDecoderModel(DecoderModel):
+    def __init__(self, config, layers, tp, dtype, device, norm) -> None:
+        super().__init__(config, layers, tp, dtype, device, norm)
+        # HF: embedding * tensor(hidden ** 0.5) cast to the embedding dtype (bf16 rounds it). Kept
+        # as a host scalar rounded the same way: a tensor made in forward() would be a
+        # host-to-device copy every step, which a CUDA graph cannot capture.
+        self.normalizer = float(torch.tensor(config.hidden_size ** 0.5, dtype=dtype))
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        # HF: embedding * tensor(hidden ** 0.5) cast to the embedding dtype (bf16 rounds it).
-        return x * torch.tensor(self.embed_tokens.hidden ** 0.5, dtype=x.dtype, device=x.device)
+        return self.embed_tokens(input_ids) * self.normalizer
 
 
 def softcap_logits(logits: torch.Tensor, cap: float | None) -> torch.Tensor:

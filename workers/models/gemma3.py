@@ -48,9 +48,9 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
     ignored_prefixes = ("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
                         "multi_modal_projector.")
 
-    def __init__(self, config, tp: TPGroup, dtype, device) -> None:
+    def __init__(self, config, tp: TPGroup, dtype, device, max_positions: int | None = None) -> None:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        super().__init__(text, tp, dtype, device)
+        super().__init__(text, tp, dtype, device, max_positions)
         self.hf_config = config
         self.multimodal = text is not config
 

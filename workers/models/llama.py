@@ -14,7 +14,7 @@ from workers.layers.attention import Attention, AttentionMetadata
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from workers.models.base import DecoderForCausalLM, rope_params
-from workers.ops import act_and_mul, rms_norm_op, rotary_op
+from workers.ops import act_and_mul, qk_norm_rope_op, rms_norm_op, rotary_op
 from workers.parallel import TPGroup
 
 
@@ -81,10 +81,15 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(n, -1, self.head_dim)
         k = k.view(n, -1, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope_cache is not None:
-            q, k = rotary_op(q, k, positions, self.rope_cache)
+        if self.qk_norm and self.rope_cache is not None and self.rope_cache.shape[1] == self.head_dim:
+            # One launch, in place on the qkv output (three launches and two copies unfused).
+            q, k = qk_norm_rope_op(q, k, positions, self.rope_cache, self.q_norm.weight, self.k_norm.weight,
+                                   self.q_norm.eps, self.gemma_norm)
+        else:
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if self.rope_cache is not None:
+                q, k = rotary_op(q, k, positions, self.rope_cache)
         return self.o_proj(self.attn(q, k, v, meta))
 
 
@@ -143,9 +148,12 @@ class LlamaForCausalLM(DecoderForCausalLM):
     decoder_layer_cls = LlamaDecoderLayer
     model_cls = DecoderModel  # a subclass may change the embedding (Gemma scales it)
 
-    def __init__(self, config, tp: TPGroup, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config, tp: TPGroup, dtype: torch.dtype, device: torch.device,
+                 max_positions: int | None = None) -> None:
         super().__init__()
         self.config, self.tp = config, tp
+        # Rows of the rotary caches: every position the engine may run (its max_model_len).
+        self.max_positions = max_positions or config.max_position_embeddings
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         kinds = layer_kinds(config)
         caches = self.rope_caches(config, kinds, device)
@@ -168,7 +176,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
             base, scaling = rope_params(config, "sliding_attention" if kind == SLIDING else "full_attention")
             key = repr((base, scaling))
             if key not in cache:
-                cache[key] = make_rope_cache(rot, config.max_position_embeddings, base, scaling, torch.float32, device)
+                cache[key] = make_rope_cache(rot, self.max_positions, base, scaling, torch.float32, device)
             out.append(cache[key])
         return out
 

@@ -1,0 +1,122 @@
+"""The engine's configuration: what the user asked for, checked and resolved once on the driver.
+
+`EngineConfig.create(model, **options)` validates every option, reads the model's config.json
+(through the driver's own copy: a folder, or the Hugging Face cache / hub), checks
+`max_model_len` against the model's positions, and fills in the derived values (the token
+budget, the CUDA graph batch sizes). The result is a frozen dataclass that travels to every
+worker as plain data. It keeps `model` and `device` as the user gave them: a hub id is resolved
+and "auto" picks a device where each worker runs, not on the driver.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+def default_graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """Decode batch sizes captured as CUDA graphs (a batch runs in the smallest one that holds
+    it): fine steps where padding would cost most, coarser ones above."""
+    sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, 257, 16)) + list(range(288, 1025, 32))
+    out = [s for s in sizes if s < max_num_seqs] + [max_num_seqs]
+    return tuple(sorted(set(out)))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str                         # a folder or a hub id, as given (each worker resolves it)
+    tokenizer: str | None = None       # None: the model's own
+    tensor_parallel_size: int = 1
+    device: str = "auto"               # "auto", "cuda" or "cpu"; "auto" is resolved on each worker
+    dtype: str = "auto"
+    block_size: int = 16
+    max_model_len: int = 0             # resolved: the model's max_position_embeddings unless given
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    cpu_kv_cache_gib: float = 1.0
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 0    # resolved: max(2048, max_model_len up to 8192)
+    seed: int = 0
+    ray_address: str | None = None
+    placement_strategy: str = "PACK"
+    enforce_eager: bool = False        # vLLM's name: no CUDA graphs
+    async_scheduling: bool = True      # schedule step N+1 while step N runs
+    cuda_graph_sizes: tuple[int, ...] = field(default=())  # resolved from max_num_seqs
+    debug_checks: bool = False         # check the workers' block tables against the invariant
+    load_format: str = "auto"          # "auto": the checkpoint; "dummy": random weights (benchmarks)
+    # vLLM's name. False: the small all-reduces of TP>1 on GPUs go over NVLink peer-to-peer
+    # (symmetric memory, one shot), larger ones NCCL. Off by default here (unlike vLLM) until it is
+    # validated end to end; see the README's tensor-parallel section.
+    disable_custom_all_reduce: bool = True
+
+    @classmethod
+    def create(cls, model: str, **options) -> "EngineConfig":
+        """Checks every option (ValueError / TypeError naming it) and resolves the derived ones."""
+        from distengine.kv_cache.model_config import config_positions, max_positions
+        from workers.loader import load_hf_config, resolve_model_path
+
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
+        if not isinstance(model, (str, os.PathLike)):
+            raise TypeError(f"model must be a folder or a Hugging Face id (str), got {type(model).__name__}")
+        # None means "the default" for the derived options, as in vLLM's signatures.
+        for name in ("max_model_len", "max_num_batched_tokens"):
+            if options.get(name, 0) is None:
+                options[name] = 0
+        if options.get("cuda_graph_sizes") is None:
+            options.pop("cuda_graph_sizes", None)
+        cfg = cls(model=str(model), **options)
+        cfg._check()
+        hf = load_hf_config(resolve_model_path(cfg.model)).to_dict()
+        limit, source = max_positions(hf)
+        max_len = cfg.max_model_len or min(limit, config_positions(hf)[0])
+        if max_len > limit:
+            raise ValueError(f"max_model_len ({max_len}) is larger than the model's positions allow ({limit}: "
+                             f"{source}); a prompt past them would read beyond the rotary cache. "
+                             f"Set max_model_len <= {limit}")
+        batched = cfg.max_num_batched_tokens or max(2048, max_len if max_len <= 8192 else 2048)
+        if batched < cfg.max_num_seqs and not cfg.max_num_batched_tokens:
+            batched = cfg.max_num_seqs
+        sizes = tuple(sorted(set(cfg.cuda_graph_sizes))) or default_graph_sizes(cfg.max_num_seqs)
+        if any(s < 1 or s > cfg.max_num_seqs for s in sizes):
+            raise ValueError(f"cuda_graph_sizes must lie in [1, max_num_seqs={cfg.max_num_seqs}], got {sizes}")
+        return cls(**{**asdict(cfg), "max_model_len": max_len, "max_num_batched_tokens": batched,
+                      "cuda_graph_sizes": sizes})
+
+    def _check(self) -> None:
+        def want(name: str, ok: bool, rule: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+
+        def integer(name: str) -> None:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__} {v!r}")
+
+        for name in ("tensor_parallel_size", "block_size", "max_num_seqs", "seed", "max_model_len",
+                     "max_num_batched_tokens"):
+            integer(name)
+        want("tensor_parallel_size", self.tensor_parallel_size >= 1, ">= 1")
+        want("block_size", self.block_size >= 1, ">= 1")
+        want("max_num_seqs", self.max_num_seqs >= 1, ">= 1")
+        want("max_model_len", self.max_model_len >= 0, ">= 1 (or 0 for the model's own)")
+        want("max_num_batched_tokens", self.max_num_batched_tokens >= 0, ">= 1 (or 0 for the default)")
+        want("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "in (0, 1]")
+        want("cpu_kv_cache_gib", self.cpu_kv_cache_gib > 0, "> 0")
+        want("device", isinstance(self.device, str) and (self.device in ("auto", "cpu", "cuda")
+                                                         or self.device.startswith("cuda:")),
+             "'auto', 'cuda' or 'cpu'")
+        want("placement_strategy", self.placement_strategy in PLACEMENT_STRATEGIES, f"one of {PLACEMENT_STRATEGIES}")
+        want("load_format", self.load_format in ("auto", "dummy"), "'auto' or 'dummy'")
+        if self.num_gpu_blocks_override is not None:
+            integer("num_gpu_blocks_override")
+            want("num_gpu_blocks_override", self.num_gpu_blocks_override >= 2, ">= 2")
+
+    @property
+    def use_ray(self) -> bool:
+        return self.tensor_parallel_size > 1 or bool(self.ray_address)
+

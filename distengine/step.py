@@ -1,0 +1,90 @@
+"""One engine step as typed data, shared by the scheduler, the executor and every worker, and
+what comes back. Both travel as msgpack bytes (the same bytes to every rank).
+
+A request's block tables go to the workers once, when it (re)enters them (`NewRequest`); after
+that a step only carries what changed (`ScheduledRequest`): the tokens the host knows among those
+to compute, and the block ids appended to its tables. The token sampled in the previous step
+never comes from the host: it stays on the device where it was sampled (see `token_ids`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import msgpack
+
+
+@dataclass
+class NewRequest:
+    """A request entering the workers (admitted, or resumed after a preemption)."""
+    req_id: str
+    block_ids: list[list[int]]   # its whole table in every KV cache group (prefix hits included)
+    sampling: dict               # SamplingParams.to_worker_dict()
+    num_output_tokens: int = 0   # a resumed request's outputs so far (seeded draws go on from there)
+    # Only when a penalty needs them (else empty): the prompt, and a resumed request's outputs.
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: tokens [num_computed_tokens, + num_new_tokens)."""
+    req_id: str
+    num_computed_tokens: int
+    num_new_tokens: int
+    # The new tokens the host knows, in order: all of them, or all but the last when the last is
+    # the token this request sampled in the previous step (still in flight to the host).
+    token_ids: list[int]
+    # Block ids appended to each group's table; [] when nothing was appended in any group.
+    new_block_ids: list[list[int]]
+    sample: bool                 # the step reaches the request's end: sample its next token
+
+    @property
+    def uses_device_token(self) -> bool:
+        return len(self.token_ids) < self.num_new_tokens
+
+
+@dataclass
+class StepPlan:
+    """What every rank runs this step (vLLM's SchedulerOutput)."""
+    step_id: int
+    new_requests: list[NewRequest] = field(default_factory=list)
+    scheduled: list[ScheduledRequest] = field(default_factory=list)  # in batch order
+    finished_req_ids: list[str] = field(default_factory=list)  # finished, aborted or preempted
+    # Overlapped execution: the workers launch this step and return the previous one's output.
+    defer_output: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    def encode(self) -> bytes:
+        return msgpack.packb([self.step_id, [_row(r) for r in self.new_requests],
+                              [_row(s) for s in self.scheduled], self.finished_req_ids, self.defer_output])
+
+    @classmethod
+    def decode(cls, data: bytes) -> "StepPlan":
+        step_id, new, scheduled, finished, defer = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        return cls(step_id, [NewRequest(*r) for r in new], [ScheduledRequest(*s) for s in scheduled],
+                   finished, defer)
+
+
+@dataclass
+class StepOutput:
+    """Rank 0's result of a step: one entry per scheduled request that sampled, in plan order."""
+    step_id: int
+    req_ids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None            # the sampled tokens' logprobs
+    top_token_ids: list[list[int]] | None = None   # per request, the top-k (k = the step's largest ask)
+    top_logprobs: list[list[float]] | None = None
+
+    def encode(self) -> bytes:
+        return msgpack.packb(_row(self))
+
+    @classmethod
+    def decode(cls, data: bytes) -> "StepOutput":
+        return cls(*msgpack.unpackb(data, raw=False))
+
+
+def _row(obj) -> list:
+    return [getattr(obj, f.name) for f in fields(obj)]

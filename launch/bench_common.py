@@ -1,0 +1,267 @@
+"""What `bench latency` and `bench throughput` share: the model (a folder or hub id, or a random
+one of a known shape built locally), the reference ceilings measured in the same run (device copy
+bandwidth, matrix-product rate), the roofline of a generation, Hugging Face `generate` on the same
+weights, and the decode-step times read from the engine's step log.
+
+Roofline of a decode step: every byte it must read from device memory once, over the copy
+bandwidth: this rank's weights, plus each sequence's K/V in every layer (a sliding-window layer
+reads at most its window, a chunked one at most its chunk). Tensor-parallel ranks read their
+shares at the same time, so a step's roofline is one rank's bytes over one GPU's bandwidth.
+Roofline of a prefill: its matrix products (2 x parameters x tokens) over the measured product
+rate. Communication and attention FLOPs are not counted: the roofline is a floor.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+SHAPES = {
+    # Gemma-3 text models (5 sliding-window : 1 full layers), the published shapes.
+    "gemma-3-12b": dict(hidden_size=3840, intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16,
+                        num_key_value_heads=8, head_dim=256, sliding_window=1024, vocab_size=262208),
+    "gemma-3-4b": dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
+                       num_key_value_heads=4, head_dim=256, sliding_window=1024, vocab_size=262208),
+    # For tests on CPU.
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, sliding_window=16, vocab_size=512),
+}
+
+
+def add_model_arguments(p) -> None:
+    p.add_argument("--model", default=None,
+                   help="a model folder or Hugging Face id (default: a random model of --shape, built once)")
+    p.add_argument("--shape", default="gemma-3-12b", choices=sorted(SHAPES),
+                   help="the random model's shape when --model is not given (default: %(default)s)")
+    p.add_argument("--model-dir", default=None,
+                   help="where the random model is built (default: ~/.cache/distengine/bench-SHAPE)")
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, help="tensor-parallel GPUs (default: 1)")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="(default: %(default)s)")
+    p.add_argument("--dtype", default="auto", help="model dtype (default: the checkpoint's; bfloat16 on GPUs)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="(default: the longest prompt plus output the benchmark runs)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="(default: %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="(default: %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step (default: 2048, or max-model-len up to 8192)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--no-async-scheduling", action="store_true", help="no overlap of scheduling and execution")
+    p.add_argument("--custom-all-reduce", action="store_true",
+                   help="TP>1: small all-reduces over NVLink peer-to-peer (opt-in; NCCL otherwise)")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights, no checkpoint read (no --hf then) (default: %(default)s)")
+    p.add_argument("--hf", action="store_true", help="also time transformers' generate() on the same weights")
+    p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    p.add_argument("--output-json", default=None, help="write the results here")
+
+
+def resolve_model(args) -> str:
+    if args.hf and args.load_format == "dummy":
+        raise ValueError("--hf needs the checkpoint's weights: not with --load-format dummy")
+    if args.model:
+        return args.model
+    folder = args.model_dir or os.path.join(os.path.expanduser("~"), ".cache", "distengine", f"bench-{args.shape}")
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        build_random_model(folder, args.shape, args.device, weights=args.load_format != "dummy")
+    return folder
+
+
+def build_random_model(folder: str, shape: str, device: str = "auto", weights: bool = True) -> None:
+    """A Gemma-3-shaped text model with transformers' random initialisation, saved in bf16 (only
+    its config.json without `weights`, for --load-format dummy)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    dev = "cuda" if device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
+    cfg = Gemma3TextConfig(**SHAPES[shape], max_position_embeddings=32768, sliding_window_pattern=6)
+    if not weights:
+        cfg.architectures = ["Gemma3ForCausalLM"]
+        cfg.dtype = "bfloat16"
+        os.makedirs(folder, exist_ok=True)
+        cfg.save_pretrained(folder)
+        return
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = Gemma3ForCausalLM(cfg).to(torch.bfloat16 if dev == "cuda" else torch.float32)
+    os.makedirs(folder, exist_ok=True)
+    model.save_pretrained(folder)
+    del model
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---- ceilings measured in the same run ----------------------------------------------------------
+def copy_bandwidth(device: str) -> float:
+    """Device-to-device copy, bytes read + written per second (the roofline's bandwidth)."""
+    cuda = device.startswith("cuda")
+    n = (2 << 30) if cuda else (64 << 20)
+    x = torch.empty(n, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    reps = 20 if cuda else 5
+    for _ in range(3):
+        y.copy_(x)
+    _sync(device)
+    t = time.perf_counter()
+    for _ in range(reps):
+        y.copy_(x)
+    _sync(device)
+    bw = 2 * n * reps / (time.perf_counter() - t)
+    del x, y
+    return bw
+
+
+def matmul_rate(device: str) -> float:
+    """FLOP/s of a large bf16 matrix product on random data (fp32 on CPU)."""
+    cuda = device.startswith("cuda")
+    n, dtype = (8192, torch.bfloat16) if cuda else (512, torch.float32)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    _sync(device)
+    reps = 10 if cuda else 3
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    _sync(device)
+    return 2 * n ** 3 * reps / (time.perf_counter() - t)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# ---- the roofline -----------------------------------------------------------------------------------
+@dataclass
+class Roofline:
+    weight_bytes: int  # one rank's
+    layers: tuple      # the plan's LayerKV
+    tp: int
+    dtype_bytes: int
+    bandwidth: float   # bytes/s, one GPU
+    matmul: float      # FLOP/s, one GPU
+    num_params: int    # the whole model's
+
+    def kv_bytes(self, context: int) -> int:
+        """K/V bytes one rank reads for one sequence of `context` tokens, every layer."""
+        total = 0
+        for layer in self.layers:
+            if layer.kind == "mamba":
+                total += layer.state_bytes(self.tp, self.dtype_bytes)
+                continue
+            tokens = context
+            if layer.window:
+                tokens = min(context, layer.window)
+            if layer.chunk:
+                tokens = min(context, layer.chunk)
+            total += tokens * layer.bytes_per_token(self.tp, self.dtype_bytes)
+        return total
+
+    def decode_step_s(self, contexts: list[int]) -> float:
+        return (self.weight_bytes + sum(self.kv_bytes(c) for c in contexts)) / self.bandwidth
+
+    def decode_s(self, batch: int, input_len: int, output_len: int) -> float:
+        """The decode steps of a batch: step j reads contexts of input_len + j tokens."""
+        return sum(self.decode_step_s([input_len + j] * batch) for j in range(1, output_len))
+
+    def prefill_s(self, tokens: int) -> float:
+        return 2 * self.num_params * tokens / (self.matmul * self.tp)
+
+
+def roofline_of(llm, bandwidth: float, matmul: float) -> Roofline:
+    info = llm.executor.plan_info
+    plan = llm.plan
+    import math
+    from workers.loader import load_hf_config, resolve_model_path
+    hf = load_hf_config(resolve_model_path(llm.config.model)).get_text_config()
+    dtype_bytes = {"bfloat16": 2, "float16": 2, "float32": 4}[info["dtype"]]
+    num_params = info["weight_bytes"] * plan.tp_size // dtype_bytes
+    # Untied embeddings are read in full only for the rows used: count the LM head, not the table.
+    if not getattr(hf, "tie_word_embeddings", True):
+        num_params -= hf.vocab_size * hf.hidden_size
+    weight_bytes = info["weight_bytes"]
+    if not getattr(hf, "tie_word_embeddings", True):
+        weight_bytes -= math.ceil(hf.vocab_size / plan.tp_size) * hf.hidden_size * dtype_bytes
+    return Roofline(weight_bytes, plan.layers, plan.tp_size, dtype_bytes, bandwidth, matmul, num_params)
+
+
+# ---- the engine's own figures --------------------------------------------------------------------
+def random_prompts(vocab_size: int, batch: int, input_len: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, max(11, vocab_size - 10), (batch, input_len), generator=g)
+    return [{"prompt_token_ids": row} for row in ids.tolist()]
+
+
+def decode_steps(log: list[tuple[float, int, int, bool]], batch: int) -> list[float]:
+    """Durations of the steps in which all `batch` sequences decoded (one token each), from the
+    engine's step log: the time between the ends of consecutive steps. With overlapped
+    scheduling the loop waits on the device each step, so this is the device's step time once
+    the host keeps up."""
+    out = []
+    for (t0, _, _, _), (t1, n, tokens, decode) in zip(log, log[1:]):
+        if decode and n == batch:
+            out.append(t1 - t0)
+    return out
+
+
+def median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else float("nan")
+
+
+def hf_generate(model: str, prompts: list[dict], output_len: int, device: str) -> float:
+    """transformers' generate() on the same weights, greedy, a fixed output length: output tokens/s."""
+    from transformers import AutoModelForCausalLM
+    from workers.loader import resolve_model_path
+    dev = "cuda" if device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    where = {"device_map": dev} if dev == "cuda" else {}
+    m = AutoModelForCausalLM.from_pretrained(str(resolve_model_path(model)), dtype=dtype, **where).eval()
+    ids = torch.tensor([p["prompt_token_ids"] for p in prompts], device=dev)
+    with torch.no_grad():
+        m.generate(ids[:, :16], max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        _sync(dev)
+        t = time.perf_counter()
+        out = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
+                         min_new_tokens=output_len, do_sample=False)
+        _sync(dev)
+        dt = time.perf_counter() - t
+    n = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    del m
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    return n / dt
+
+
+def make_llm(args, model: str, max_model_len: int):
+    from distengine import LLM
+    return LLM(model, tensor_parallel_size=args.tensor_parallel_size, device=args.device, dtype=args.dtype,
+               max_model_len=args.max_model_len or max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+               enforce_eager=args.enforce_eager,
+               async_scheduling=not args.no_async_scheduling, seed=args.seed, load_format=args.load_format,
+               disable_custom_all_reduce=not args.custom_all_reduce)
+
+
+def engine_device(llm) -> str:
+    return llm.executor.plan_info["device"]
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return "CPU"
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=1)
+
+
+def print_table(rows: list[tuple[str, str, str, str]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# GPU checks and benchmarks of the engine (issue 9), for the device tool's machines, from the
+# project root, after `bash .whl/install.sh && export PYTHONPATH=/tmp/site:$PWD`:
+#   bash tests/gpu/h200_issue9.sh dev     # one H200 (~5 min): GPU tests, kernel sweep, TP=1 figures on random weights
+#   bash tests/gpu/h200_issue9.sh final   # two H200s (~8 min): all-reduce, TP=2 test, TP=1 (+HF) and TP=2 figures
+# Logs and JSON go to $OUT; a short table is printed last. Each step has its own time limit.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+mode=${1:-dev}
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+python3 -c 'import torch, triton, transformers, ray; print("torch", torch.__version__, "triton", triton.__version__,
+"transformers", transformers.__version__, "ray", ray.__version__, "gpus", torch.cuda.device_count())'
+cli="python3 -m launch.cli"
+summary() { echo "== $1"; tail -n "${2:-20}" "$OUT/$3"; }
+rnd="--shape gemma-3-12b --model-dir /tmp/g12d --load-format dummy"
+io="--input-len 512 --output-len 128 --num-iters 2 --num-iters-warmup 1"
+
+if [ "$mode" = dev ]; then
+  timeout 300 python3 -m pytest -x -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_paged_attention.py \
+      tests/test_model_runner.py tests/test_sampler.py tests/test_models.py tests/test_kernels_layer_ops.py \
+      > "$OUT/pytest.log" 2>&1; echo "pytest exit $?" >> "$OUT/pytest.log"
+  timeout 120 python3 tests/gpu/sweep_decode.py > "$OUT/sweep.log" 2>&1
+  timeout 140 $cli bench latency $rnd $io --batch-size 1 32 128 --output-json "$OUT/lat_tp1.json" > "$OUT/lat_tp1.log" 2>&1
+  timeout 110 $cli bench latency $rnd --batch-size 16 --input-len 16384 --output-len 64 --max-num-batched-tokens 16384 \
+      --num-iters 1 --num-iters-warmup 0 --output-json "$OUT/lat_16k.json" > "$OUT/lat_16k.log" 2>&1
+  timeout 90 python3 tests/gpu/profile_decode.py /tmp/g12d --load-format dummy --batch 1 128 > "$OUT/profile.log" 2>&1
+  summary pytest 6 pytest.log; summary sweep 32 sweep.log; summary profile 26 profile.log
+  summary "16k" 7 lat_16k.log; summary "TP=1" 16 lat_tp1.log
+fi
+
+if [ "$mode" = final ]; then
+  timeout 60 python3 -m launch.bench_allreduce --out "$OUT/allreduce.json" > "$OUT/allreduce.log" 2>&1
+  timeout 240 python3 -m pytest -x -v -p no:cacheprovider tests/test_cuda_graphs.py -k tp2 > "$OUT/pytest.log" 2>&1
+  echo "pytest exit $?" >> "$OUT/pytest.log"
+  timeout 230 $cli bench latency --shape gemma-3-12b --model-dir /tmp/g12 --batch-size 1 32 128 $io --hf \
+      --output-json "$OUT/lat_tp1.json" > "$OUT/lat_tp1.log" 2>&1
+  timeout 110 $cli bench latency --model /tmp/g12 -tp 2 --batch-size 1 32 128 $io --output-json "$OUT/lat_tp2.json" \
+      > "$OUT/lat_tp2.log" 2>&1
+  timeout 90 $cli bench latency $rnd -tp 2 --custom-all-reduce --batch-size 1 128 $io \
+      --output-json "$OUT/lat_tp2_nvlink.json" > "$OUT/lat_tp2_nvlink.log" 2>&1
+  summary allreduce 9 allreduce.log; summary pytest 6 pytest.log; summary "TP=2 NVLink all-reduce" 9 lat_tp2_nvlink.log
+  summary "TP=2" 13 lat_tp2.log; summary "TP=1" 17 lat_tp1.log
+fi

@@ -1,0 +1,66 @@
+"""`distengine bench latency` and `bench throughput` on CPU with a tiny random Gemma-3-shaped
+model (the same code as on GPUs): vLLM's flags, our figure beside the roofline and transformers'
+generate(), JSON output; a dataset file; bad arguments refused. And the host-time benchmark."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from launch.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from launch.bench_common import build_random_model
+    folder = str(tmp_path_factory.mktemp("tiny"))
+    build_random_model(folder, "tiny", "cpu")
+    return folder
+
+
+def test_bench_latency(tiny, tmp_path, capsys):
+    out = tmp_path / "lat.json"
+    assert main(["bench", "latency", "--model", tiny, "--device", "cpu", "--batch-size", "1", "3", "--input-len", "8",
+                 "--output-len", "5", "--num-iters", "2", "--num-iters-warmup", "1", "--hf",
+                 "--output-json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "B=3 decode step (ms)" in text and "HF generate" in text and "roofline" in text
+    res = json.loads(out.read_text())
+    assert res["kind"] == "latency" and res["engine"]["weight_bytes"] > 0 and res["copy_bandwidth"] > 0
+    for r, b in zip(res["results"], (1, 3)):
+        assert r["batch_size"] == b and len(r["latencies"]) == 2 and r["hf_output_tok_s"] > 0
+        assert math.isfinite(r["decode_step_s"]) and 0 < r["roofline_decode_step_s"] < r["decode_step_s"]
+        assert r["output_tok_s"] == pytest.approx(b * 5 / r["avg_latency"])
+
+
+def test_bench_throughput_random_and_dataset(tiny, tmp_path, capsys):
+    out = tmp_path / "tp.json"
+    assert main(["bench", "throughput", "--model", tiny, "--device", "cpu", "--num-prompts", "5", "--input-len", "6",
+                 "--output-len", "4", "--output-json", str(out)]) == 0
+    assert "Throughput:" in capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert res["num_requests"] == 5 and res["output_tokens"] == 20 and res["prompt_tokens"] == 30
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt_token_ids": [3, 4, 5][:n], "output_len": n}) for n in (1, 2, 3)))
+    assert main(["bench", "throughput", "--model", tiny, "--device", "cpu", "--dataset-path", str(data),
+                 "--output-json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["num_requests"] == 3 and res["output_tokens"] == 6 and res["prompt_tokens"] == 6
+
+
+def test_bad_bench_arguments(tiny, tmp_path):
+    with pytest.raises(ValueError, match="input-len"):
+        main(["bench", "latency", "--model", tiny, "--device", "cpu", "--input-len", "0"])
+    with pytest.raises(ValueError, match="dummy"):
+        main(["bench", "latency", "--model", tiny, "--device", "cpu", "--load-format", "dummy", "--hf"])
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"text": "no prompt"}]))
+    with pytest.raises(ValueError, match="prompt"):
+        main(["bench", "throughput", "--model", tiny, "--device", "cpu", "--dataset-path", str(bad)])
+
+
+def test_host_time_per_decode_step_runs():
+    from launch.bench_host import measure
+    parts = measure("llama-3-8b", batch=4, context=40, steps=3, max_model_len=64)
+    assert set(parts) == {"schedule", "msgpack", "prepare", "update"} and all(v > 0 for v in parts.values())

@@ -1,0 +1,97 @@
+"""On a GPU (skipped without one): a decode CUDA graph's replay equals the same forward run eagerly,
+bit for bit; the engine with graphs gives the tokens of the engine without (greedy, seeded
+sampling, penalties; batches padded to every captured size); no Triton kernel is compiled again
+after warm-up over a 300-token decode, with graphs and eagerly; the graphs' memory is counted
+before the KV cache is sized. With two GPUs: TP=2 on Ray, with its all-reduces inside the graphs,
+gives transformers' greedy tokens."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distengine import LLM, SamplingParams
+from kernels import compiled_variants
+from tests.test_models import build
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+ARGS = dict(device="cuda", dtype="float32", block_size=4, max_model_len=256, max_num_seqs=8,
+            gpu_memory_utilization=0.3)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory):
+    hf, _ = build("gemma3")
+    folder = tmp_path_factory.mktemp("gemma3")
+    hf.save_pretrained(folder)
+    return hf, str(folder)
+
+
+def _prompts(n: int, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"prompt_token_ids": torch.randint(0, 300, (5 + 7 * i,), generator=g).tolist()} for i in range(n)]
+
+
+def _params(n: int) -> list[SamplingParams]:
+    """Staggered lengths (the batch shrinks through every graph size), greedy and not."""
+    out = [SamplingParams(temperature=0.0, max_tokens=8 + 5 * i, ignore_eos=True) for i in range(n)]
+    out[1] = SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=30, ignore_eos=True)
+    out[2] = SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.2, max_tokens=30,
+                            ignore_eos=True)
+    return out
+
+
+def test_graph_replay_equals_the_eager_forward(gemma3):
+    _, folder = gemma3
+    with LLM(folder, **ARGS) as llm:
+        runner = llm.executor.worker.runner
+        assert runner.graphs is not None and runner.graphs.sizes == [1, 2, 4, 8]
+        llm.generate(_prompts(5), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+        # The fixed inputs still hold the last decode step (5 sequences in the graph of 8).
+        for size in (8, 4):
+            graph = runner.graphs.replay(size).clone()
+            with torch.no_grad():
+                eager = runner._decode_forward(size)
+            assert torch.equal(graph, eager), size
+
+
+def test_graphs_give_the_tokens_of_eager(gemma3):
+    _, folder = gemma3
+    prompts, params = _prompts(7), _params(7)
+    runs = {}
+    for eager in (True, False):
+        with LLM(folder, enforce_eager=eager, **ARGS) as llm:
+            info = llm.executor.plan_info
+            assert bool(info["cuda_graphs"]) != eager
+            if not eager:
+                assert info["graph_memory_bytes"] > 0  # counted before the KV cache was sized
+            runs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert runs[True] == runs[False]
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_no_recompiles_after_warmup(gemma3, eager):
+    _, folder = gemma3
+    with LLM(folder, **{**ARGS, "dtype": "bfloat16", "max_model_len": 512}, enforce_eager=eager) as llm:
+        llm.generate(_prompts(2, seed=1), SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                     use_tqdm=False)
+        before = compiled_variants()
+        outs = llm.generate(_prompts(3, seed=2), SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True),
+                            use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 300 for o in outs)
+        assert compiled_variants() == before, "a kernel was compiled again during the decode"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tp2_on_ray_with_cuda_graphs_equals_transformers(gemma3):
+    hf, folder = gemma3
+    prompts = _prompts(4)
+    with LLM(folder, tensor_parallel_size=2, **ARGS) as llm:
+        assert llm.executor.plan_info["cuda_graphs"]
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    model = hf.to("cuda")
+    for p, o in zip(prompts, outs):
+        ids = torch.tensor([p["prompt_token_ids"]], device="cuda")
+        with torch.no_grad():
+            want = model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                                  attention_mask=torch.ones_like(ids))[0, ids.shape[1]:].tolist()
+        assert o.outputs[0].token_ids == want
