@@ -34,7 +34,8 @@ class EngineConfig:
     max_model_len: int = 0             # resolved: the model's max_position_embeddings unless given
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
-    cpu_kv_cache_gib: float = 1.0
+    kv_cache_memory_bytes: int | None = None  # vLLM's name: the KV cache per rank, on any device
+    cpu_kv_cache_space_gib: float = 1.0  # a CPU rank's default; VLLM_CPU_KVCACHE_SPACE (GiB) sets it
     enable_prefix_caching: bool = True
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 0    # resolved: max(2048, max_model_len up to 8192)
@@ -69,8 +70,15 @@ class EngineConfig:
                 options[name] = 0
         if options.get("cuda_graph_sizes") is None:
             options.pop("cuda_graph_sizes", None)
+        space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+        if space and "cpu_kv_cache_space_gib" not in options:
+            try:
+                options["cpu_kv_cache_space_gib"] = float(space)
+            except ValueError:
+                raise ValueError(f"VLLM_CPU_KVCACHE_SPACE must be a number of GiB, got {space!r}") from None
         cfg = cls(model=str(model), **options)
         cfg._check()
+        cfg._check_device()
         hf = load_hf_config(resolve_model_path(cfg.model)).to_dict()
         limit, source = max_positions(hf)
         max_len = cfg.max_model_len or min(limit, config_positions(hf)[0])
@@ -106,7 +114,10 @@ class EngineConfig:
         want("max_model_len", self.max_model_len >= 0, ">= 1 (or 0 for the model's own)")
         want("max_num_batched_tokens", self.max_num_batched_tokens >= 0, ">= 1 (or 0 for the default)")
         want("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "in (0, 1]")
-        want("cpu_kv_cache_gib", self.cpu_kv_cache_gib > 0, "> 0")
+        want("cpu_kv_cache_space_gib", self.cpu_kv_cache_space_gib > 0, "> 0")
+        if self.kv_cache_memory_bytes is not None:
+            integer("kv_cache_memory_bytes")
+            want("kv_cache_memory_bytes", self.kv_cache_memory_bytes > 0, "> 0 bytes")
         want("device", isinstance(self.device, str) and (self.device in ("auto", "cpu", "cuda")
                                                          or self.device.startswith("cuda:")),
              "'auto', 'cuda' or 'cpu'")
@@ -115,6 +126,20 @@ class EngineConfig:
         if self.num_gpu_blocks_override is not None:
             integer("num_gpu_blocks_override")
             want("num_gpu_blocks_override", self.num_gpu_blocks_override >= 2, ">= 2")
+
+    def _check_device(self) -> None:
+        """A GPU asked for in this process must be there (a Ray cluster's GPUs are checked when the
+        placement group is made)."""
+        if self.use_ray or os.environ.get("RAY_ADDRESS") or not self.device.startswith("cuda"):
+            return
+        import torch
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device={self.device!r} but this machine has no CUDA GPU that torch can use "
+                             f"(torch {torch.__version__}); use device='cpu' or 'auto'")
+        index = int(self.device.split(":")[1]) if ":" in self.device else 0
+        if index >= count:
+            raise ValueError(f"device={self.device!r} but this machine has {count} CUDA GPU(s) (cuda:0..cuda:{count - 1})")
 
     @property
     def use_ray(self) -> bool:

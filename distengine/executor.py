@@ -35,6 +35,7 @@ ends the cluster. CPU-only (for tests): `--num-cpus 1` instead of `--num-gpus`, 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from typing import Any
@@ -165,11 +166,15 @@ class RayExecutor(Executor):
         self._remove_pg = remove_placement_group
 
         address = config.ray_address or os.environ.get("RAY_ADDRESS") or None
+        # Ray's own start-up and teardown messages (INFO, and a WARNING that token authentication
+        # is on) only with DISTENGINE_VERBOSE=1 (`distengine --verbose`); errors always show.
+        level = logging.INFO if os.environ.get("DISTENGINE_VERBOSE") else logging.ERROR
+        logging.getLogger("ray").setLevel(level)
         if not ray.is_initialized():
             if address:
-                ray.init(address=address, log_to_driver=True)
+                ray.init(address=address, log_to_driver=True, logging_level=level)
             else:
-                kwargs: dict[str, Any] = {"include_dashboard": False}
+                kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": level}
                 if _local_device(config.device) == "cpu":
                     kwargs.update(num_cpus=max(self.tp, 2), num_gpus=0)
                 ray.init(**kwargs)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 from distengine.config import EngineConfig
 from distengine.engine_core import EngineCore
+from distengine.inputs import InputProcessor
 from distengine.outputs import RequestOutput
 from distengine.output_processor import OutputProcessor
 from distengine.sampling_params import SamplingParams
@@ -34,6 +35,7 @@ class LLM:
         self.scheduler = self.engine.scheduler
         self.executor = self.engine.executor
         self.max_model_len = self.config.max_model_len
+        self.inputs = InputProcessor(self.tokenizer, self.executor.plan_info["vocab_size"], self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -74,19 +76,11 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) \
-            else list(sampling_params)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        # Every prompt is checked before any is queued: a bad one leaves nothing behind.
-        items = [(self._prompt(p), sp) for p, sp in zip(prompts, params)]
+        """Outputs in the order of `prompts`. Every prompt and its params are checked first
+        (`distengine.inputs`): a bad one raises and nothing is queued."""
+        requests = self.inputs.requests(prompts, sampling_params)
         ids = []
-        for (text, tokens), sp in items:
+        for text, tokens, sp in requests:
             rid = str(next(self._ids))
             self.engine.add_request(EngineRequest(rid, tokens, sampling=sp, eos_token_ids=self.eos_token_ids))
             self.output_processor.add_request(rid, text, tokens, sp)
@@ -102,9 +96,17 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
+        if not isinstance(messages, list) or not messages:
+            raise TypeError(f"messages must be a non-empty list of {{'role', 'content'}} dicts (one conversation) "
+                            f"or a list of such lists, got {type(messages).__name__} {messages!r:.80}")
+        convs = [messages] if isinstance(messages[0], dict) else messages
+        for i, conv in enumerate(convs):
+            if not isinstance(conv, list) or not conv or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in conv):
+                raise TypeError(f"messages[{i}] must be a non-empty list of {{'role': str, 'content': ...}} dicts, "
+                                f"got {conv!r:.80}")
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("chat() needs a tokenizer with a chat template")
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
@@ -118,22 +120,6 @@ class LLM:
         self.shutdown()
 
     # ---- internals -----------------------------------------------------------------------
-    def _prompt(self, p: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(p, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: give prompts as {'prompt_token_ids': [...]}")
-            text, ids = p, self.tokenizer(p)["input_ids"]
-        elif isinstance(p, dict) and "prompt_token_ids" in p:
-            text, ids = p.get("prompt"), [int(t) for t in p["prompt_token_ids"]]
-        else:
-            raise ValueError(f"a prompt is a string or a dict with 'prompt_token_ids', got {type(p).__name__}")
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt is {len(ids)} tokens long but max_model_len is {self.max_model_len}: "
-                             f"at most {self.max_model_len - 1} prompt tokens fit")
-        return text, ids
-
     def _run(self, ids: list[str], use_tqdm: bool) -> None:
         bar = None
         if use_tqdm:

@@ -17,8 +17,6 @@ import os
 import time
 from dataclasses import dataclass
 
-import torch
-
 SHAPES = {
     # Gemma-3 text models (5 sliding-window : 1 full layers), the published shapes.
     "gemma-3-12b": dict(hidden_size=3840, intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16,
@@ -72,6 +70,7 @@ def resolve_model(args) -> str:
 def build_random_model(folder: str, shape: str, device: str = "auto", weights: bool = True) -> None:
     """A Gemma-3-shaped text model with transformers' random initialisation, saved in bf16 (only
     its config.json without `weights`, for --load-format dummy)."""
+    import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
     dev = "cuda" if device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
     cfg = Gemma3TextConfig(**SHAPES[shape], max_position_embeddings=32768, sliding_window_pattern=6)
@@ -94,6 +93,7 @@ def build_random_model(folder: str, shape: str, device: str = "auto", weights: b
 # ---- ceilings measured in the same run ----------------------------------------------------------
 def copy_bandwidth(device: str) -> float:
     """Device-to-device copy, bytes read + written per second (the roofline's bandwidth)."""
+    import torch
     cuda = device.startswith("cuda")
     n = (2 << 30) if cuda else (64 << 20)
     x = torch.empty(n, dtype=torch.uint8, device=device)
@@ -113,6 +113,7 @@ def copy_bandwidth(device: str) -> float:
 
 def matmul_rate(device: str) -> float:
     """FLOP/s of a large bf16 matrix product on random data (fp32 on CPU)."""
+    import torch
     cuda = device.startswith("cuda")
     n, dtype = (8192, torch.bfloat16) if cuda else (512, torch.float32)
     a = torch.randn(n, n, device=device, dtype=dtype)
@@ -129,6 +130,7 @@ def matmul_rate(device: str) -> float:
 
 
 def _sync(device: str) -> None:
+    import torch
     if device.startswith("cuda"):
         torch.cuda.synchronize()
 
@@ -189,6 +191,7 @@ def roofline_of(llm, bandwidth: float, matmul: float) -> Roofline:
 
 # ---- the engine's own figures --------------------------------------------------------------------
 def random_prompts(vocab_size: int, batch: int, input_len: int, seed: int) -> list[dict]:
+    import torch
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(10, max(11, vocab_size - 10), (batch, input_len), generator=g)
     return [{"prompt_token_ids": row} for row in ids.tolist()]
@@ -213,6 +216,7 @@ def median(xs: list[float]) -> float:
 
 def hf_generate(model: str, prompts: list[dict], output_len: int, device: str) -> float:
     """transformers' generate() on the same weights, greedy, a fixed output length: output tokens/s."""
+    import torch
     from transformers import AutoModelForCausalLM
     from workers.loader import resolve_model_path
     dev = "cuda" if device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
@@ -250,6 +254,7 @@ def engine_device(llm) -> str:
 
 
 def device_name(device: str) -> str:
+    import torch
     if device.startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_name(0)
     return "CPU"
@@ -265,3 +270,8 @@ def print_table(rows: list[tuple[str, str, str, str]]) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+
+
+def has_cuda(device: str) -> bool:
+    import torch
+    return device in ("auto", "cuda") and torch.cuda.is_available()

@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-import torch
+torch = None  # imported by run(): `distengine --help` must not load it
 
 DECODE_CASES = [  # (batch, context, sliding window)
     (64, 4096, 0), (128, 2048, 0), (8, 32768, 0), (1, 8192, 0), (64, 1024, 0), (64, 32768, 1024)]
@@ -193,7 +193,7 @@ def check_correctness(log) -> float:
 def add_arguments(p) -> None:
     p.add_argument("--sweep", action="store_true", help="also time tile configurations and report the best")
     p.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for the JSON results and log")
-    p.add_argument("--skip-prefill", action="store_true")
+    p.add_argument("--skip-prefill", action="store_true", help="decode cases only")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args) -> int:
+    global torch
+    import torch
     if not torch.cuda.is_available():
         print("bench kernels needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -242,6 +242,10 @@ def run_layout(layout: str, trace: list[TraceRequest], num_blocks_vllm: int, mak
 
 COLUMNS = ["prompt_tokens", "hit_tokens", "hit_rate", "peak_blocks", "preemptions",
            "us_per_allocate_prompt", "us_per_allocate_decode", "us_per_step"]
+# Printed headers (the JSON keeps the names above): each distinct within its column's width.
+LABELS = {"prompt_tokens": "prompt tok", "hit_tokens": "hit tok", "hit_rate": "hit rate", "peak_blocks": "peak blocks",
+          "preemptions": "preemptions", "us_per_allocate_prompt": "us/alloc pr", "us_per_allocate_decode": "us/alloc dec",
+          "us_per_step": "us/step"}
 
 
 def run(args) -> int:
@@ -260,7 +264,7 @@ def run(args) -> int:
         return 0
     print(f"trace: {len(trace)} requests, {sum(len(t.prompt) for t in trace):,} prompt tokens, "
           f"{sum(1 for t in trace if t.parent is not None)} follow-ups")
-    print(f"{'manager:layout':20s} {'groups x slots':>14s} {'blocks':>7s} " + " ".join(f"{c:>12.12s}" for c in COLUMNS))
+    print(f"{'manager:layout':20s} {'groups x slots':>14s} {'blocks':>7s} " + " ".join(f"{LABELS[c]:>12s}" for c in COLUMNS))
     for name, r in results.items():
         label = name if name.startswith("vllm:") else f"ours:{name}"
         print(f"{label:20s} {r['num_groups']:6d} x {r['group_size']:5d} {r['num_blocks']:7d} "
@@ -281,9 +285,9 @@ def add_arguments(p) -> None:
     p.add_argument("--num-blocks", type=int, default=20000,
                    help="pool size, in blocks of vLLM's layout of the model (same memory for ours)")
     p.add_argument("--requests", type=int, default=600, help="requests in the generated trace")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the generated trace's seed")
     p.add_argument("--save-trace", help="write the trace used as JSON")
     p.add_argument("--reference", choices=["vllm"], default=None,
                    help="also drive vLLM's own manager on the same trace (needs vllm installed: "
                         "launch/vllm_reference.py says how)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")

@@ -34,7 +34,7 @@ def run(args) -> int:
     from distengine import SamplingParams
     _check(args)
     model = bc.resolve_model(args)
-    dev = "cuda" if args.device in ("auto", "cuda") and bc.torch.cuda.is_available() else "cpu"
+    dev = "cuda" if bc.has_cuda(args.device) else "cpu"
     bandwidth, matmul = bc.copy_bandwidth(dev), bc.matmul_rate(dev)
     vocab = _vocab(model)
     hf = {}

@@ -58,7 +58,7 @@ def run(args) -> int:
     if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
         raise ValueError("--num-prompts, --input-len and --output-len must be >= 1")
     model = bc.resolve_model(args)
-    dev = "cuda" if args.device in ("auto", "cuda") and bc.torch.cuda.is_available() else "cpu"
+    dev = "cuda" if bc.has_cuda(args.device) else "cpu"
     bandwidth, matmul = bc.copy_bandwidth(dev), bc.matmul_rate(dev)
     from launch.bench_latency import _vocab
     vocab = _vocab(model)

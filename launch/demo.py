@@ -5,7 +5,6 @@ share a system prompt."""
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 
 WORDS = ("the a of and to in is you that it he was for on are as with his they I at be this have from or one "
@@ -39,12 +38,23 @@ def build_model(folder: str) -> None:
     Gemma3ForCausalLM(config).to(torch.float32).save_pretrained(folder)
 
 
+def default_model_dir() -> str:
+    """Under the user's cache folder, named by a hash of the model's definition: a change to it
+    (the code above) builds a new model instead of reusing a stale one."""
+    import hashlib
+    import inspect
+    key = hashlib.sha256((inspect.getsource(build_model) + " ".join(WORDS)).encode()).hexdigest()[:12]
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "distengine", f"demo-model-{key}")
+
+
 def run(args) -> int:
     import torch
 
     from distengine import LLM, SamplingParams
-    folder = args.model_dir or os.path.join(tempfile.gettempdir(), "distengine-demo-model")
+    folder = args.model_dir or default_model_dir()
     if not os.path.exists(os.path.join(folder, "config.json")):
+        print(f"building the tiny model in {folder}", flush=True)
         build_model(folder)
     gpus = torch.cuda.device_count()
     device = "cuda" if gpus >= args.tp else "cpu"
@@ -54,27 +64,39 @@ def run(args) -> int:
     with LLM(folder, tensor_parallel_size=args.tp, device=device, dtype="float32", block_size=16,
              max_model_len=512) as llm:
         started = time.perf_counter() - t0
+        plan = llm.plan
+        print(f"KV cache plan: {len(plan.groups)} groups of {plan.num_slots} layer slots sharing one pool of "
+              f"{llm.scheduler.manager.pool.num_blocks - 1} blocks of {plan.block_size} tokens "
+              f"({plan.block_bytes / 1024:.0f} KiB per block id per rank)")
+        for g in plan.groups:
+            layers = ", ".join(name.rsplit(".", 1)[-1] for name in g.layers if name)
+            print(f"  group {g.group_id}: {g.spec.describe()}, layers {layers}")
         prompts = [f"{SYSTEM} user : {q} assistant :" for q in QUESTIONS]
         params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=args.max_tokens)
         t1 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=True)
         took = time.perf_counter() - t1
         for q, o in zip(QUESTIONS, outs):
             print(f"Q: {q}\nA: {o.outputs[0].text!r}  ({len(o.outputs[0].token_ids)} tokens, "
                   f"{o.num_cached_tokens} prompt tokens from the prefix cache)")
-        stats, plan = llm.stats(), llm.plan
+        stats = llm.stats()
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        shared = len(llm.tokenizer(f"{SYSTEM} user :")["input_ids"])
         print(f"\nengine start {started:.1f} s; generation {took:.2f} s, {n_out / took:.1f} output tokens/s")
-        print(f"prefix-cache hit rate {stats.prefix_cache_hit_rate:.1%}; peak KV usage {stats.peak_kv_usage:.2%} "
-              f"of {llm.scheduler.manager.pool.num_blocks - 1} blocks; preemptions {stats.preemptions}")
+        print(f"prefix-cache hit rate {stats.prefix_cache_hit_rate:.1%}; peak KV usage {stats.peak_kv_usage:.2%}; "
+              f"preemptions {stats.preemptions}")
+        print(f"the prompts share their first {shared} tokens; hits come in whole blocks of {plan.block_size} "
+              f"tokens, so {shared // plan.block_size * plan.block_size} of them are found in the cache")
         for tokens in (100, plan.max_model_len):
             ours, uniform = plan.bytes_per_request(tokens), plan.uniform_bytes_per_request(tokens)
-            print(f"KV held by one request of {tokens} tokens: hybrid layout {ours / 1024:.0f} KiB vs uniform "
-                  f"{uniform / 1024:.0f} KiB ({uniform / ours:.2f}x less memory)")
+            print(f"KV held by one request of {tokens} tokens, per rank: hybrid layout {ours / 1024:.0f} KiB vs "
+                  f"uniform {uniform / 1024:.0f} KiB ({uniform / ours:.2f}x less memory)")
     return 0
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--tp", type=int, default=2, help="tensor-parallel workers (default 2)")
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--model-dir", default=None, help="where the tiny model is built (default: a temp folder)")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel workers")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens to generate per prompt")
+    p.add_argument("--model-dir", default=None,
+                   help="where the tiny model is built (default: ~/.cache/distengine/demo-model-HASH, "
+                        "HASH of its definition)")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from distengine.kv_cache.model_config import load_config_dict, parse_model_config
+from distengine.kv_cache.model_config import MAMBA, load_config_dict, parse_model_config
 from distengine.kv_cache.plan import GIB, KVCachePlan, make_plan, plan_with_group_size
 
 
@@ -12,8 +12,22 @@ def _layer_list(layers: tuple[str | None, ...]) -> str:
     return "layers " + ",".join(idx)
 
 
-def _mib(n: int) -> str:
-    return f"{n / (1 << 20):,.1f} MiB"
+def _size(n: int) -> str:
+    """Bytes in the unit that shows them (a tiny model's request is KiB, not 0.0 MiB)."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n} B"
+
+
+def _dtype_note(cfg: dict, requested: str, dtype_bytes: int) -> str:
+    if requested != "auto":
+        return requested
+    text = cfg.get("text_config") or cfg
+    ckpt = text.get("torch_dtype") or text.get("dtype") or cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+    if ckpt in ("float32", "float") and dtype_bytes == 2:
+        return "auto: bfloat16 for this float32 checkpoint, as served on GPUs (--kv-cache-dtype float32 for CPU)"
+    return f"auto: the checkpoint's {ckpt}"
 
 
 def build_plan(args) -> KVCachePlan:
@@ -31,8 +45,13 @@ def run(args) -> int:
         print(json.dumps(data, indent=2))
         return 0
     c, b = plan.choice, plan.baseline
-    print(f"model {plan.model}  tp={plan.tp_size}  kv bytes/elem={plan.dtype_bytes}  "
-          f"max_model_len={plan.max_model_len}")
+    _, cfg = load_config_dict(args.config)
+    mamba = any(layer.kind == MAMBA for layer in plan.layers)
+    baseline = ("unpooled (every Mamba layer its exact state, every attention layer K/V for every token: "
+                "what separate caches would hold; our single pool pads all to one page size)" if mamba
+                else "uniform (every layer keeping K/V for every token)")
+    print(f"model {plan.model}  tp={plan.tp_size}  KV bytes per element {plan.dtype_bytes} "
+          f"({_dtype_note(cfg, args.kv_cache_dtype, plan.dtype_bytes)})  max_model_len={plan.max_model_len}")
     print(f"block size {plan.block_size} tokens"
           + (f" (raised from {plan.requested_block_size} so that an attention page holds a Mamba state)"
              if plan.block_size != plan.requested_block_size else ""))
@@ -47,26 +66,28 @@ def run(args) -> int:
         print("  KV shared (no allocation): " + ", ".join(f"{k} -> {v}" for k, v in plan.shared_layers.items()))
     print(f"{args.memory_gib:g} GiB of KV cache per rank: {data['num_blocks']:,} blocks (block 0 is the null block)")
     ours, uni = data["capacity_tokens_at_max_model_len"], data["uniform_capacity_tokens_at_max_model_len"]
-    print(f"capacity at {plan.max_model_len} tokens per request: {ours:,} tokens; uniform full-attention "
-          f"allocation: {uni:,} tokens ({ours / max(uni, 1):.2f}x)")
+    print(f"capacity at {plan.max_model_len} tokens per request: {ours:,} tokens; {baseline}: {uni:,} tokens "
+          f"({ours / max(uni, 1):.2f}x)")
     if args.tokens is not None:
         vllm_plan = plan_with_group_size(plan, b.group_size)
         print(f"one request of {args.tokens} tokens holds blocks per group {data['blocks_per_group']} "
               f"(= {sum(data['blocks_per_group'])} blocks, null blocks excluded)")
-        print(f"  bytes: ours {_mib(data['bytes_per_request'])}; vLLM's layout {_mib(data['vllm_rule_bytes_per_request'])} "
-              f"(blocks {vllm_plan.blocks_per_group(args.tokens)}); uniform {_mib(data['uniform_bytes_per_request'])}")
+        print(f"  bytes: ours {_size(data['bytes_per_request'])}; vLLM's layout {_size(data['vllm_rule_bytes_per_request'])} "
+              f"(blocks {vllm_plan.blocks_per_group(args.tokens)}); {'unpooled' if mamba else 'uniform'} "
+              f"{_size(data['uniform_bytes_per_request'])}")
     return 0
 
 
 def add_arguments(p) -> None:
     p.add_argument("--config", default="gemma-3-27b",
-                   help="a config.json, a folder holding one, or a built-in name (default: gemma-3-27b)")
+                   help="a config.json, a folder holding one, or a built-in name (see the README)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (KV heads per rank)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per block (raised for Mamba states)")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the config's max_position_embeddings")
-    p.add_argument("--memory-gib", type=float, default=64.0, help="KV cache memory per rank")
-    p.add_argument("--tokens", type=int, default=None, help="show the blocks one request of T tokens holds")
+    p.add_argument("--memory-gib", type=float, default=64.0, help="KV cache memory per rank, GiB")
+    p.add_argument("--tokens", type=int, default=None, help="also show the blocks one request of T tokens holds")
     p.add_argument("--max-num-groups", type=int, default=16, help="bound on KV cache groups (block tables per step)")
     p.add_argument("--group-size", type=int, default=None, help="force the layers per group")
-    p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto: the checkpoint's dtype, bfloat16 for a float32 one (as served on GPUs)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")

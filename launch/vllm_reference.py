@@ -86,7 +86,7 @@ def _import_vllm() -> SimpleNamespace:
         from vllm.v1.request import Request as VllmRequest
         from vllm.v1.request import RequestStatus
     except ImportError as e:
-        raise RuntimeError(
+        raise ImportError(
             f"vLLM is not installed (or lacks a dependency: {e}); the vLLM reference needs vllm=={VLLM_VERSION} "
             f"importable, e.g. installed with --no-deps into /tmp/vllm_site and put on PYTHONPATH: see "
             f"launch/vllm_reference.py") from e

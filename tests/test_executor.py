@@ -23,7 +23,7 @@ from tests.test_models import build
 
 ray = pytest.importorskip("ray")
 
-ARGS = dict(device="cpu", dtype="float32", block_size=4, max_model_len=128, cpu_kv_cache_gib=0.002)
+ARGS = dict(device="cpu", dtype="float32", block_size=4, max_model_len=128, kv_cache_memory_bytes=int(0.002 * (1 << 30)))
 
 
 def config(folder: str, **kw) -> EngineConfig:

@@ -72,18 +72,28 @@ def test_unknown_request_is_refused(checkpoint):
         runner.execute(StepPlan(0, scheduled=[ScheduledRequest("x", 0, 1, [1], [], True)]))
 
 
-def test_num_blocks_from_memory(checkpoint):
-    """CPU: a fixed budget; GPU: what is left after a profiling pass at the largest batch."""
+def test_num_blocks_from_memory(checkpoint, monkeypatch):
+    """CPU: kv_cache_memory_bytes, else VLLM_CPU_KVCACHE_SPACE (GiB), else 1 GiB; GPU: what is left
+    after a profiling pass at the largest batch. Too little gets advice that fits the device."""
     _, folder = checkpoint
-    runner = ModelRunner(config(folder))
-    n = runner.determine_num_blocks(gpu_memory_utilization=0.3, cpu_kv_cache_gib=0.01)
+    runner = ModelRunner(config(folder, gpu_memory_utilization=0.3, kv_cache_memory_bytes=None))
+    n = runner.determine_num_blocks()
     if DEVICE == "cpu":
-        assert n == int(0.01 * (1 << 30)) // runner.plan.block_bytes
+        assert n == (1 << 30) // runner.plan.block_bytes
+        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0.01")
+        assert ModelRunner(config(folder)).determine_num_blocks() == int(0.01 * (1 << 30)) // runner.plan.block_bytes
+        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "lots")
+        with pytest.raises(ValueError, match="VLLM_CPU_KVCACHE_SPACE must be a number of GiB"):
+            config(folder)
+        monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+        runner = ModelRunner(config(folder, kv_cache_memory_bytes=100_000))
+        with pytest.raises(KVCacheTooSmallError, match=r"raise kv_cache_memory_bytes \(or VLLM_CPU_KVCACHE_SPACE"):
+            runner.determine_num_blocks()
     else:
         free, total = torch.cuda.mem_get_info()
         assert 0 < n * runner.plan.block_bytes < 0.3 * total
-    with pytest.raises(KVCacheTooSmallError):
-        runner.determine_num_blocks(gpu_memory_utilization=1e-9, cpu_kv_cache_gib=1e-9)
+        with pytest.raises(KVCacheTooSmallError, match="raise gpu_memory_utilization"):
+            ModelRunner(config(folder, gpu_memory_utilization=1e-9)).determine_num_blocks()
 
 
 def test_max_model_len_beyond_the_positions_is_refused(checkpoint, tmp_path):
@@ -117,7 +127,13 @@ def test_engine_options_are_checked(checkpoint):
                       (dict(placement_strategy="X"), "placement_strategy"), (dict(bogus=1), "bogus")):
         with pytest.raises((ValueError, TypeError), match=match):
             EngineConfig.create(folder, **kw)
-    if not torch.cuda.is_available():
-        runner_cfg = EngineConfig.create(folder, device="cuda")
-        with pytest.raises(ValueError, match="sees no CUDA GPU"):
-            ModelRunner(runner_cfg)
+    if not torch.cuda.is_available():  # refused at once, not inside a worker
+        with pytest.raises(ValueError, match=r"device='cuda' but this machine has no CUDA GPU"):
+            EngineConfig.create(folder, device="cuda")
+    else:
+        with pytest.raises(ValueError, match="cuda:99"):
+            EngineConfig.create(folder, device="cuda:99")
+    for kw, match in ((dict(kv_cache_memory_bytes=0), "kv_cache_memory_bytes"),
+                      (dict(kv_cache_memory_bytes=1.5), "kv_cache_memory_bytes")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            EngineConfig.create(folder, **kw)

@@ -109,12 +109,13 @@ class ModelRunner:
         self.graph_memory_bytes = 0
 
     # ---- KV cache ------------------------------------------------------------------------
-    def determine_num_blocks(self, gpu_memory_utilization: float = 0.9, cpu_kv_cache_gib: float = 1.0) -> int:
-        """Blocks that fit in this rank's memory: on a GPU, what `gpu_memory_utilization` of the
-        device leaves after a profiling forward pass at the largest batch (and the sampler at the
-        most requests) and after the decode CUDA graphs' own memory; on CPU, a fixed budget. All
-        ranks take the minimum. Refuses (clearly) a cache that cannot hold one request of
-        max_model_len."""
+    def determine_num_blocks(self) -> int:
+        """Blocks that fit in this rank's memory: `kv_cache_memory_bytes` when set; else, on a GPU,
+        what `gpu_memory_utilization` of the device leaves after a profiling forward pass at the
+        largest batch (and the sampler at the most requests) and after the decode CUDA graphs' own
+        memory; on CPU, `cpu_kv_cache_space_gib`. All ranks take the minimum. Refuses (clearly) a
+        cache that cannot hold one request of max_model_len."""
+        cfg = self.config
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -123,10 +124,19 @@ class ModelRunner:
                 self.graph_memory_bytes = self._measure_graph_memory()
             free, total = torch.cuda.mem_get_info(self.device)
             used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-            budget = (total * gpu_memory_utilization - torch.cuda.max_memory_allocated(self.device) - used_by_others
-                      - self.graph_memory_bytes)
+            budget = (total * cfg.gpu_memory_utilization - torch.cuda.max_memory_allocated(self.device)
+                      - used_by_others - self.graph_memory_bytes)
+            if cfg.kv_cache_memory_bytes is not None:
+                room = free + torch.cuda.memory_reserved(self.device) - torch.cuda.max_memory_allocated(self.device) \
+                    - self.graph_memory_bytes
+                if cfg.kv_cache_memory_bytes > room:
+                    raise KVCacheTooSmallError(
+                        f"kv_cache_memory_bytes={cfg.kv_cache_memory_bytes} ({cfg.kv_cache_memory_bytes / 2**30:.2f} GiB) "
+                        f"but only {room / 2**30:.2f} GiB of this GPU are left after the model, its activations "
+                        f"and CUDA graphs")
+                budget = cfg.kv_cache_memory_bytes
         else:
-            budget = cpu_kv_cache_gib * (1 << 30)
+            budget = cfg.kv_cache_memory_bytes or cfg.cpu_kv_cache_space_gib * (1 << 30)
         # On the rank's device: an NCCL group reduces CUDA tensors only.
         n = torch.tensor([max(0, int(budget // self.plan.block_bytes))], dtype=torch.int64, device=self.device)
         if self.tp.world_size > 1:
@@ -146,11 +156,15 @@ class ModelRunner:
                 fits, lo = mid, mid + 1
             else:
                 hi = mid - 1
+        if self.device.type == "cuda":
+            advice = ("raise gpu_memory_utilization (or set kv_cache_memory_bytes), use more GPUs "
+                      "(tensor_parallel_size)")
+        else:
+            advice = "raise kv_cache_memory_bytes (or VLLM_CPU_KVCACHE_SPACE, in GiB)"
         raise KVCacheTooSmallError(
-            f"the KV cache holds {num_blocks} blocks ({num_blocks * self.plan.block_bytes / 2**30:.2f} GiB per rank) "
+            f"the KV cache holds {num_blocks} blocks ({num_blocks * self.plan.block_bytes / 2**30:.3f} GiB per rank) "
             f"but one request of max_model_len={self.plan.max_model_len} needs {need} "
-            f"({need * self.plan.block_bytes / 2**30:.2f} GiB): raise gpu_memory_utilization, use more GPUs, "
-            f"or set max_model_len <= {fits}")
+            f"({need * self.plan.block_bytes / 2**30:.3f} GiB): {advice}, or set max_model_len <= {fits}")
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.check_fits(num_blocks)

@@ -114,7 +114,7 @@ class Worker:
             return None
 
     def determine_num_blocks(self) -> int:
-        return self.runner.determine_num_blocks(self.config.gpu_memory_utilization, self.config.cpu_kv_cache_gib)
+        return self.runner.determine_num_blocks()
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
