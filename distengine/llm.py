@@ -20,6 +20,33 @@ from workers.loader import load_hf_config, resolve_model_path, text_config
 PromptType = str | dict
 
 
+def load_tokenizer(path: str):
+    """The model's tokenizer, or None when it ships none (prompts must then be token ids).
+    Only tokenizer files count: transformers may otherwise build an empty one."""
+    import os
+    files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in files):
+        return None
+    try:
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def eos_token_ids(path, config) -> frozenset[int]:
+    """The ids that end a request: the generation config's, else the model config's."""
+    ids = getattr(config, "eos_token_id", None)
+    try:
+        from transformers import GenerationConfig
+        ids = GenerationConfig.from_pretrained(path).eos_token_id or ids
+    except (OSError, ValueError):
+        pass
+    if ids is None:
+        return frozenset()
+    return frozenset(ids if isinstance(ids, (list, tuple)) else [ids])
+
+
 class LLM:
     """`LLM(model, **options)`: the options are `EngineConfig`'s fields (vLLM's names:
     tensor_parallel_size, dtype, max_model_len, gpu_memory_utilization, enforce_eager, ...)."""
@@ -28,8 +55,8 @@ class LLM:
         self.config = EngineConfig.create(model, tensor_parallel_size=tensor_parallel_size, **options)
         path = resolve_model_path(self.config.model)  # the driver's own copy: tokenizer, EOS ids
         config = text_config(load_hf_config(path))
-        self.tokenizer = self._load_tokenizer(self.config.tokenizer or str(path))
-        self.eos_token_ids = self._eos_ids(path, config)
+        self.tokenizer = load_tokenizer(self.config.tokenizer or str(path))
+        self.eos_token_ids = eos_token_ids(path, config)
         self.engine = EngineCore(self.config)
         self.plan = self.engine.plan
         self.scheduler = self.engine.scheduler
@@ -38,33 +65,6 @@ class LLM:
         self.inputs = InputProcessor(self.tokenizer, self.executor.plan_info["vocab_size"], self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
-
-    # ---- setup ---------------------------------------------------------------------------
-    @staticmethod
-    def _load_tokenizer(path: str):
-        """The model's tokenizer, or None when it ships none (prompts must then be token ids).
-        Only tokenizer files count: transformers may otherwise build an empty one."""
-        import os
-        files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-        if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in files):
-            return None
-        try:
-            from transformers import AutoTokenizer
-            return AutoTokenizer.from_pretrained(path)
-        except (OSError, ValueError, TypeError):
-            return None
-
-    @staticmethod
-    def _eos_ids(path, config) -> frozenset[int]:
-        ids = getattr(config, "eos_token_id", None)
-        try:
-            from transformers import GenerationConfig
-            ids = GenerationConfig.from_pretrained(path).eos_token_id or ids
-        except (OSError, ValueError):
-            pass
-        if ids is None:
-            return frozenset()
-        return frozenset(ids if isinstance(ids, (list, tuple)) else [ids])
 
     # ---- API -----------------------------------------------------------------------------
     def get_tokenizer(self):
@@ -130,7 +130,7 @@ class LLM:
         while pending:
             updates = self.engine.step()
             out_tokens += len(updates)
-            finished, stops = self.output_processor.process(updates)
+            finished, stops, _ = self.output_processor.process(updates)
             for rid, matched in stops:
                 self.engine.finish_request(rid, "stop", matched)
             for st in finished:

@@ -24,10 +24,32 @@ class RequestState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # Streaming: what earlier deltas carried; the times the latency metrics need.
+    sent_text: int = 0
+    sent_tokens: int = 0
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    last_gap: float | None = None  # seconds between its last two tokens
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def delta(self) -> RequestOutput:
+        """What came since the last delta (vLLM's RequestOutputKind.DELTA). While running, the text
+        keeps back as many characters as a stop string could still need (so a stop string never
+        reaches the client), and the held-back text follows later."""
+        end = len(self.text) if self.finished else max(self.sent_text,
+                                                         len(self.text) - self.sampling.output_text_buffer_length)
+        text, tokens = self.text[self.sent_text:end], self.token_ids[self.sent_tokens:]
+        lps = self.logprobs[self.sent_tokens:] if self.logprobs is not None else None
+        self.sent_text, self.sent_tokens = end, len(self.token_ids)
+        reason = self.finish_reason if self.finish_reason != "abort" else None
+        comp = CompletionOutput(index=0, text=text, token_ids=tokens, finish_reason=reason,
+                                stop_reason=self.stop_reason, logprobs=lps)
+        return RequestOutput(request_id=self.req_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+                             num_cached_tokens=self.num_cached_tokens, finished=self.finished, outputs=[comp])
 
     def output(self) -> RequestOutput:
         reason = self.finish_reason if self.finish_reason != "abort" else None
@@ -45,20 +67,28 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}
 
     def add_request(self, req_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    sampling: SamplingParams) -> None:
-        self.requests[req_id] = RequestState(
-            req_id, prompt, prompt_token_ids, sampling,
-            IncrementalDetokenizer(self.tokenizer, prompt_token_ids, sampling.skip_special_tokens),
-            logprobs=[] if sampling.logprobs is not None else None)
+                    sampling: SamplingParams, arrival_time: float = 0.0) -> RequestState:
+        st = RequestState(req_id, prompt, prompt_token_ids, sampling,
+                          IncrementalDetokenizer(self.tokenizer, prompt_token_ids, sampling.skip_special_tokens),
+                          logprobs=[] if sampling.logprobs is not None else None, arrival_time=arrival_time)
+        self.requests[req_id] = st
+        return st
 
-    def process(self, updates: list[RequestUpdate]) -> tuple[list[RequestState], list[tuple[str, str]]]:
+    def process(self, updates: list[RequestUpdate], now: float = 0.0
+                ) -> tuple[list[RequestState], list[tuple[str, str]], list[RequestState]]:
         """Apply one step's updates. Returns (the requests that finished, the (request id, stop
-        string) pairs the engine core must finish: a stop string matched)."""
-        finished, stops = [], []
+        string) pairs the engine core must finish: a stop string matched, every request updated)."""
+        finished, stops, touched = [], [], []
         for u in updates:
             st = self.requests.get(u.req_id)
             if st is None or st.finished:
                 continue
+            touched.append(st)
+            if st.last_token_time is None:
+                st.first_token_time = now
+            else:
+                st.last_gap = now - st.last_token_time
+            st.last_token_time = now
             st.token_ids.append(u.token_id)
             st.num_cached_tokens = u.num_cached_tokens
             if st.logprobs is not None and u.logprobs is not None:
@@ -79,7 +109,7 @@ class OutputProcessor:
                 if not isinstance(st.stop_reason, str):
                     st.text += st.detok.flush()  # a held-back partial character, if any
                 finished.append(st)
-        return finished, stops
+        return finished, stops, touched
 
     def abort(self, req_id: str) -> None:
         st = self.requests.get(req_id)

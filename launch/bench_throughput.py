@@ -63,9 +63,9 @@ def run(args) -> int:
     from launch.bench_latency import _vocab
     vocab = _vocab(model)
     if args.dataset_path:
-        from distengine.llm import LLM
+        from distengine.llm import load_tokenizer
         from workers.loader import resolve_model_path
-        requests = load_dataset(args.dataset_path, LLM._load_tokenizer(str(resolve_model_path(model))),
+        requests = load_dataset(args.dataset_path, load_tokenizer(str(resolve_model_path(model))),
                                 args.output_len, args.num_prompts)
     else:
         requests = [(p, args.output_len) for p in bc.random_prompts(vocab, args.num_prompts, args.input_len, args.seed)]

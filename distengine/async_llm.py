@@ -1,0 +1,204 @@
+"""`AsyncLLM`: the engine for many clients at once, on asyncio.
+
+The engine loop (`EngineCore.step`, the output processor) runs in its own thread, so HTTP work
+never stalls a step and a step never stalls the event loop. Requests reach that thread through a
+queue and join the running batch at its next step (continuous batching across clients); each
+request's outputs come back through its own asyncio queue as deltas: the new text and token ids
+since the last one, the last one marked finished. A request whose consumer goes away (the client
+disconnected, the iterator was closed) is aborted at once and its blocks return to the pool.
+
+If the engine dies (a worker raised or died), every request in flight ends with `EngineDeadError`
+and so does every later one.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from distengine.config import EngineConfig
+from distengine.engine_core import EngineCore
+from distengine.executor import EngineDeadError
+from distengine.inputs import InputProcessor
+from distengine.llm import eos_token_ids, load_tokenizer
+from distengine.metrics import EngineMetrics
+from distengine.output_processor import OutputProcessor
+from distengine.outputs import RequestOutput
+from distengine.sampling_params import SamplingParams
+from distengine.scheduler import EngineRequest
+from workers.loader import load_hf_config, resolve_model_path, text_config
+
+
+@dataclass
+class _Stream:
+    """One request's outputs, delivered from the engine thread into the request's event loop."""
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
+class AsyncLLM:
+    """`AsyncLLM(model, **options)`: the options are `EngineConfig`'s, as for `LLM`."""
+
+    def __init__(self, model: str, metrics_name: str | None = None, **options) -> None:
+        self.config = EngineConfig.create(model, **options)
+        path = resolve_model_path(self.config.model)
+        self.tokenizer = load_tokenizer(self.config.tokenizer or str(path))
+        self.eos_token_ids = eos_token_ids(path, text_config(load_hf_config(path)))
+        self.engine = EngineCore(self.config)
+        self.max_model_len = self.config.max_model_len
+        self.vocab_size = self.engine.executor.plan_info["vocab_size"]
+        self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self.metrics = EngineMetrics(metrics_name or self.config.model)
+        self.dead: EngineDeadError | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="distengine-engine", daemon=True)
+        self._thread.start()
+
+    # ---- the event loop's side -------------------------------------------------------------
+    def check(self, prompt, sampling_params: SamplingParams) -> tuple[str | None, list[int]]:
+        """The input contract for one request (raises TypeError/ValueError naming the field)."""
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        self.inputs.params(sampling_params, -1)
+        return self.inputs.prompt(prompt, 0)
+
+    async def generate(self, prompt, sampling_params: SamplingParams, request_id: str,
+                       checked: tuple[str | None, list[int]] | None = None) -> AsyncIterator[RequestOutput]:
+        """Deltas of one request's output, the last one finished. `checked` is what `check`
+        returned, when the caller has already checked the prompt."""
+        self._raise_if_dead()
+        text, ids = checked if checked is not None else await asyncio.to_thread(self.check, prompt, sampling_params)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._commands.put(("add", request_id, text, ids, sampling_params, stream, time.monotonic()))
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                out = await stream.queue.get()
+                if isinstance(out, BaseException):
+                    finished = True  # nothing of it is left in the engine
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:  # cancelled, or the consumer stopped reading: free its blocks now
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    @property
+    def is_running(self) -> bool:
+        return self.dead is None and not self._stopping
+
+    def _raise_if_dead(self) -> None:
+        if self.dead is not None:
+            raise self.dead
+        if self._stopping:
+            raise EngineDeadError("the engine is shutting down")
+
+    async def check_health(self, timeout: float = 3.0) -> None:
+        """Raises EngineDeadError unless the engine and every worker answer."""
+        self._raise_if_dead()
+        executor = self.engine.executor
+        try:
+            await asyncio.wait_for(asyncio.to_thread(executor.check_health), timeout)
+        except asyncio.TimeoutError:
+            raise EngineDeadError(f"a worker did not answer a health check within {timeout:g} s") from None
+
+    def shutdown(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+        for stream in self._streams.values():
+            stream.put(EngineDeadError("the engine shut down"))
+        self._streams.clear()
+        self.engine.shutdown()
+
+    # ---- the engine thread -------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while not self._stopping:
+                self._apply_commands()
+                sched = self.engine.scheduler
+                if not (sched.has_unfinished() or sched.has_in_flight()):
+                    self.metrics.record_state(sched)
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                updates = self.engine.step()
+                now = time.monotonic()
+                finished, stops, touched = self.outputs.process(updates, now)
+                for rid, matched in stops:
+                    self.engine.finish_request(rid, "stop", matched)
+                for st in touched:
+                    self._record_token(st, now)
+                    stream = self._streams.get(st.req_id)
+                    if stream is not None:
+                        stream.put(st.delta())
+                for st in finished:
+                    self.metrics.e2e.observe(now - st.arrival_time)
+                    self._streams.pop(st.req_id, None)
+                    self.outputs.pop(st.req_id)
+                self.metrics.record_state(sched)
+        except BaseException as e:  # noqa: BLE001 - the engine is gone: every request must hear it
+            self._fail(e)
+
+    def _record_token(self, st, now: float) -> None:
+        m = self.metrics
+        m.generation_tokens.inc()
+        if len(st.token_ids) == 1:
+            m.ttft.observe(now - st.arrival_time)
+        elif st.last_gap is not None:
+            m.itl.observe(st.last_gap)
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, rid, text, ids, sp, stream, arrival = cmd
+                try:
+                    self.engine.add_request(EngineRequest(rid, ids, sampling=sp, eos_token_ids=self.eos_token_ids))
+                except (ValueError, TypeError) as e:  # e.g. a request id already in use
+                    stream.put(e)
+                    continue
+                self.outputs.add_request(rid, text, ids, sp, arrival)
+                self._streams[rid] = stream
+                self.metrics.prompt_tokens.inc(len(ids))
+            else:
+                rid = cmd[1]
+                self.engine.abort([rid])
+                self.outputs.pop(rid)
+                self._streams.pop(rid, None)
+
+    def _fail(self, e: BaseException) -> None:
+        self.dead = e if isinstance(e, EngineDeadError) else EngineDeadError(f"the engine loop failed: {e}", e)
+        for stream in self._streams.values():
+            stream.put(self.dead)
+        self._streams.clear()
+        while True:  # requests that arrived meanwhile
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "add":
+                cmd[5].put(self.dead)

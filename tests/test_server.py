@@ -1,0 +1,315 @@
+"""`distengine serve` as a user runs it: a subprocess on a free loopback port, a tiny random hybrid
+model with a local tokenizer and chat template, driven by the real `openai` client and by raw HTTP.
+Completions and chat, streaming and not, equal `LLM.generate`; usage and prefix-cache counts;
+every error case gets its status and OpenAI-shaped body and the server serves on; a client that
+disconnects is aborted; 48 concurrent streams; `bench serve`; SIGTERM exits 0 after the request in
+flight; at TP=2 a killed worker makes /health 503 within 5 s and ends the request in flight."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("ray")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KEY = "test-key"
+TEMPLATE = "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}assistant :"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model: str, *extra: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "DISTENGINE_API_KEY": KEY, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "serve", model, "--device", "cpu",
+                                      "--dtype", "float32", "--max-model-len", "256", "--port", str(self.port), *extra],
+                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.proc.stdout.read()
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        else:
+            raise AssertionError("the server did not start")
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0)
+
+    def post(self, path: str, body, key: str | None = KEY, raw: bool = False) -> httpx.Response:
+        headers = {"Content-Type": "application/json"}
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        return httpx.post(self.url + path, content=body if raw else json.dumps(body), headers=headers, timeout=60)
+
+    def metric(self, name: str) -> float:
+        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith(f"distengine:{name}{{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise KeyError(name)
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.metric("num_requests_running") == 0 and self.metric("kv_cache_usage_perc") == 0:
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"still busy: running {self.metric('num_requests_running')}, "
+                             f"KV {self.metric('kv_cache_usage_perc')}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from launch.demo import build_model
+    folder = str(tmp_path_factory.mktemp("served"))
+    build_model(folder)
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    s = Server(model)
+    yield s
+    assert s.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    from distengine import LLM, SamplingParams
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM(model, device="cpu", dtype="float32", max_model_len=256) as llm:
+        comp = llm.generate("what is water", greedy, use_tqdm=False)[0].outputs[0].text
+        chat = llm.chat([{"role": "user", "content": "who made oil"}], greedy, use_tqdm=False)[0].outputs[0].text
+    return comp, chat
+
+
+def test_completions_and_chat_equal_llm_generate(server, reference):
+    comp, chat = reference
+    c = server.client
+    r = c.completions.create(model=c.models.list().data[0].id, prompt="what is water", max_tokens=8, temperature=0,
+                             extra_body={"ignore_eos": True})
+    assert r.choices[0].text == comp and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 8 and r.usage.prompt_tokens == 3 and r.usage.total_tokens == 11
+    chunks = list(c.completions.create(model=server_model(c), prompt="what is water", max_tokens=8, temperature=0,
+                                       stream=True, stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == comp
+    assert chunks[-1].usage.completion_tokens == 8 and chunks[-1].choices == []
+    msgs = [{"role": "user", "content": "who made oil"}]
+    r = c.chat.completions.create(model=server_model(c), messages=msgs, max_tokens=8, temperature=0,
+                                  extra_body={"ignore_eos": True}, logprobs=True, top_logprobs=2)
+    assert r.choices[0].message.content == chat and r.choices[0].message.role == "assistant"
+    assert len(r.choices[0].logprobs.content) == 8 and len(r.choices[0].logprobs.content[0].top_logprobs) == 2
+    text = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+        model=server_model(c), messages=msgs, max_tokens=8, temperature=0, stream=True, extra_body={"ignore_eos": True}))
+    assert text == chat
+    # Token-id prompts, several in one request, logprobs, vLLM's extras.
+    r = c.completions.create(model=server_model(c), prompt=[[5, 6, 7], [8, 9]], max_tokens=3, temperature=0, logprobs=2,
+                             extra_body={"ignore_eos": True, "top_k": 5, "min_tokens": 1, "stop_token_ids": [1]})
+    assert [ch.index for ch in r.choices] == [0, 1] and len(r.choices[1].logprobs.tokens) == 3
+    assert r.usage.prompt_tokens == 5
+
+
+def server_model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def test_cached_tokens_on_a_repeated_prefix(server):
+    system = " ".join(["you are a helpful assistant ."] * 8)
+    first = server.client.completions.create(model=server_model(server.client), prompt=system + " what is water",
+                                             max_tokens=2, temperature=0)
+    second = server.client.completions.create(model=server_model(server.client), prompt=system + " who made oil",
+                                              max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= 32
+    assert server.metric("prefix_cache_hits_total") >= 32
+
+
+def test_other_endpoints(server):
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/version").json()["version"]
+    models = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert models["data"][0]["max_model_len"] == 256
+    tok = server.post("/tokenize", {"prompt": "what is water"}).json()
+    assert tok["count"] == 3 and tok["max_model_len"] == 256
+    assert server.post("/detokenize", {"tokens": tok["tokens"]}).json()["prompt"] == "what is water"
+    chat_tok = server.post("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat_tok["count"] > 0
+    metrics = httpx.get(server.url + "/metrics").text
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total",
+                 "generation_tokens_total", "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
+                 "e2e_request_latency_seconds_bucket"):
+        assert f"distengine:{name}" in metrics, name
+
+
+ERRORS = [  # (what, path, body, raw body?, key, status, message part, param)
+    ("malformed JSON", "/v1/completions", '{"prompt": "x", ', True, KEY, 400, "not valid JSON", None),
+    ("a field of the wrong type", "/v1/completions", {"prompt": "x", "temperature": "hot"}, False, KEY, 400,
+     "temperature", "temperature"),
+    ("max_tokens of the wrong type", "/v1/completions", {"prompt": "x", "max_tokens": "many"}, False, KEY, 400,
+     "max_tokens", "max_tokens"),
+    ("temperature out of range", "/v1/completions", {"prompt": "x", "temperature": -1}, False, KEY, 400,
+     "temperature must be non-negative", "temperature"),
+    ("top_p out of range", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_p": 2},
+     False, KEY, 400, "top_p", "top_p"),
+    ("a token id past the vocabulary", "/v1/completions", {"prompt": [1, 2, 99999]}, False, KEY, 400,
+     "99999 is not a token id", "prompt"),
+    ("a negative token id", "/v1/completions", {"prompt": [-1]}, False, KEY, 400, "-1", "prompt"),
+    ("a string token id", "/v1/completions", {"prompt": [1, "2"]}, False, KEY, 400, "prompt", "prompt"),
+    ("a bad stop token id", "/v1/completions", {"prompt": "x", "stop_token_ids": [99999]}, False, KEY, 400,
+     "stop_token_ids", "stop_token_ids"),
+    ("prompt + max_tokens past max_model_len", "/v1/completions", {"prompt": "x", "max_tokens": 1000}, False, KEY, 400,
+     "maximum context length is 256 tokens; the request asks for 1001", "max_tokens"),
+    ("n > 1", "/v1/completions", {"prompt": "x", "n": 2}, False, KEY, 400, "n=1", "n"),
+    ("no messages", "/v1/chat/completions", {"messages": []}, False, KEY, 400, "messages", "messages"),
+    ("an unknown model", "/v1/completions", {"prompt": "x", "model": "nope"}, False, KEY, 404, "does not exist", "model"),
+    ("no API key", "/v1/completions", {"prompt": "x"}, False, None, 401, "API key", None),
+    ("a wrong API key", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, False, "nope", 401,
+     "API key", None),
+]
+
+
+@pytest.mark.parametrize("case", ERRORS, ids=[c[0] for c in ERRORS])
+def test_errors_have_their_status_and_body_and_the_server_serves_on(server, reference, case):
+    what, path, body, raw, key, status, message, param = case
+    r = server.post(path, body, key=key, raw=raw)
+    assert r.status_code == status, (what, r.text)
+    err = r.json()["error"]
+    assert message in err["message"] and err["code"] == status and err["type"] and err["param"] == param, err
+    ok = server.client.completions.create(model=server_model(server.client), prompt="what is water", max_tokens=8,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    assert ok.choices[0].text == reference[0]
+
+
+def test_a_client_that_disconnects_is_aborted(server):
+    body = {"prompt": "what is water", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=30) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+        assert server.metric("num_requests_running") == 1
+    server.wait_idle(10)
+
+
+def test_48_concurrent_streams(server):
+    def one(i: int) -> str:
+        chunks = server.client.completions.create(model=server_model(server.client), prompt=[5 + i % 50, 6, 7],
+                                                  max_tokens=6 + i % 5, temperature=0.8, seed=i, stream=True,
+                                                  extra_body={"ignore_eos": True})
+        return "".join(c.choices[0].text for c in chunks if c.choices)
+
+    with concurrent.futures.ThreadPoolExecutor(48) as pool:
+        texts = list(pool.map(one, range(48)))
+    assert len(texts) == 48 and all(texts)
+    server.wait_idle(10)
+
+
+def test_bench_serve_against_the_server(server, tmp_path):
+    from launch.cli import main
+    out = tmp_path / "serve.json"
+    assert main(["bench", "serve", "--port", str(server.port), "--api-key", KEY, "--num-prompts", "12",
+                 "--random-input-len", "10", "--random-output-len", "5", "--random-prefix-len", "32",
+                 "--random-vocab-size", "100", "--request-rate", "50", "--max-concurrency", "6", "--ignore-eos",
+                 "--no-progress", "--output-json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["completed"] == 12 and res["failed"] == 0 and res["total_output_tokens"] == 60
+    assert res["ttft_ms"]["median"] > 0 and res["itl_ms"]["mean"] > 0 and res["output_throughput"] > 0
+
+
+def test_sigterm_finishes_the_request_in_flight_and_exits_0(model):
+    s = Server(model)
+    body = {"prompt": "what is water", "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", s.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=60) as r:
+        lines = r.iter_lines()
+        next(lines)
+        s.proc.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]" and any('"finish_reason": "length"' in line for line in rest)
+    assert s.proc.wait(timeout=60) == 0
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(s.url + "/health", timeout=2)
+
+
+def _ray_workers(pid: int) -> list[int]:
+    """PIDs of the Ray worker processes below `pid` (the server's own local Ray cluster)."""
+    children: dict[int, list[int]] = {}
+    names: dict[int, str] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    names[int(d)] = f.read().replace(b"\0", b" ").decode(errors="replace")
+                children.setdefault(parent, []).append(int(d))
+            except (OSError, ValueError, IndexError):
+                pass
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for c in children.get(p, []):
+            if names.get(c, "").startswith("ray::Worker"):
+                found.append(c)
+            todo.append(c)
+    return found
+
+
+def test_tp2_killed_worker_makes_health_503_and_ends_the_request(model):
+    s = Server(model, "-tp", "2")
+    try:
+        assert s.client.completions.create(model=server_model(s.client), prompt="what is water", max_tokens=3,
+                                           temperature=0).choices[0].text
+        workers = _ray_workers(s.proc.pid)
+        assert len(workers) == 2, workers
+        body = {"prompt": "what is water", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                          timeout=30) as r:
+            lines = r.iter_lines()
+            next(lines)
+            os.kill(workers[1], signal.SIGKILL)
+            t = time.monotonic()
+            rest = [line for line in lines if line]  # ends, with an error event, instead of hanging
+        assert any('"code": 503' in line for line in rest) and rest[-1] == "data: [DONE]"
+        while httpx.get(s.url + "/health", timeout=5).status_code != 503:
+            assert time.monotonic() - t < 5, "/health still 200 five seconds after the worker died"
+            time.sleep(0.1)
+        r = s.post("/v1/completions", {"prompt": "x"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == 503
+    finally:
+        s.stop()
