@@ -47,6 +47,8 @@ class EngineConfig:
     cuda_graph_sizes: tuple[int, ...] = field(default=())  # resolved from max_num_seqs
     debug_checks: bool = False         # check the workers' block tables against the invariant
     load_format: str = "auto"          # "auto": the checkpoint; "dummy": random weights (benchmarks)
+    # vLLM's name: "ray" runs the workers as Ray actors even at TP=1; None: Ray only when needed.
+    distributed_executor_backend: str | None = None
     # vLLM's name. False: the small all-reduces of TP>1 on GPUs go over NVLink peer-to-peer
     # (symmetric memory, one shot), larger ones NCCL. Off by default here (unlike vLLM) until it is
     # validated end to end; see the README's tensor-parallel section.
@@ -123,6 +125,10 @@ class EngineConfig:
              "'auto', 'cuda' or 'cpu'")
         want("placement_strategy", self.placement_strategy in PLACEMENT_STRATEGIES, f"one of {PLACEMENT_STRATEGIES}")
         want("load_format", self.load_format in ("auto", "dummy"), "'auto' or 'dummy'")
+        want("distributed_executor_backend", self.distributed_executor_backend in (None, "ray", "uni"),
+             "None, 'ray' or 'uni'")
+        if self.distributed_executor_backend == "uni" and (self.tensor_parallel_size > 1 or self.ray_address):
+            raise ValueError("distributed_executor_backend='uni' runs tensor_parallel_size=1 in this process only")
         if self.num_gpu_blocks_override is not None:
             integer("num_gpu_blocks_override")
             want("num_gpu_blocks_override", self.num_gpu_blocks_override >= 2, ">= 2")
@@ -143,5 +149,7 @@ class EngineConfig:
 
     @property
     def use_ray(self) -> bool:
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend == "ray"
         return self.tensor_parallel_size > 1 or bool(self.ray_address)
 

@@ -87,6 +87,11 @@ class Executor:
     def check_health(self) -> None:
         raise NotImplementedError
 
+    def collective_rpc(self, method: str, args: tuple = (), ranks: list[int] | None = None) -> list:
+        """`Worker.method(*args)` on the given ranks (default: all), their results in rank order
+        (vLLM's name). Not for the step: that is `execute`."""
+        raise NotImplementedError
+
     def shutdown(self) -> None:
         raise NotImplementedError
 
@@ -138,6 +143,10 @@ class UniprocExecutor(Executor):
     def check_health(self) -> None:
         self._raise_if_dead()
 
+    def collective_rpc(self, method: str, args: tuple = (), ranks: list[int] | None = None) -> list:
+        self._raise_if_dead()
+        return [getattr(self.worker, method)(*args) for _ in (ranks or [0])]
+
     def shutdown(self) -> None:
         if getattr(self, "_closed", True):
             return
@@ -159,7 +168,8 @@ class RayExecutor(Executor):
         self.tp = config.tensor_parallel_size
         self.execute_timeout_s, self.health_timeout_s = execute_timeout_s, health_timeout_s
         self.actors: list = []
-        self.pg = None
+        self.pg = None  # our own placement group (None inside the caller's)
+        self._outer_pg = None
         self.dag = None
         self._owns_ray = False
         self._closed = False
@@ -187,15 +197,18 @@ class RayExecutor(Executor):
             kind = "GPU" if device.startswith("cuda") else "CPU"
             self._kind = kind
 
-            # ---- the placement group ----
-            have = ray.cluster_resources().get(kind, 0)
-            if self._owns_ray and have < self.tp:  # a local cluster cannot grow: say so at once
-                raise PlacementGroupError(self._pg_message(kind, have, None))
-            self.pg = placement_group([{kind: 1}] * self.tp, strategy=config.placement_strategy)
-            ready, _ = ray.wait([self.pg.ready()], timeout=placement_timeout_s)
-            if not ready:
-                raise PlacementGroupError(self._pg_message(kind, ray.cluster_resources().get(kind, 0),
-                                                           placement_timeout_s, config.placement_strategy))
+            # ---- the placement group: the caller's, or our own ----
+            bundles = self._bundles_of_current_group(kind)
+            if bundles is None:
+                have = ray.cluster_resources().get(kind, 0)
+                if self._owns_ray and have < self.tp:  # a local cluster cannot grow: say so at once
+                    raise PlacementGroupError(self._pg_message(kind, have, None))
+                self.pg = placement_group([{kind: 1}] * self.tp, strategy=config.placement_strategy)
+                ready, _ = ray.wait([self.pg.ready()], timeout=placement_timeout_s)
+                if not ready:
+                    raise PlacementGroupError(self._pg_message(kind, ray.cluster_resources().get(kind, 0),
+                                                               placement_timeout_s, config.placement_strategy))
+                bundles = list(range(self.tp))
 
             # ---- the actors ----
             env = {"NCCL_NVLS_ENABLE": os.environ.get("NCCL_NVLS_ENABLE", "0"),
@@ -209,7 +222,8 @@ class RayExecutor(Executor):
             remote_cls = ray.remote(**resources)(Worker)
             worker_config = dataclasses.replace(config, device=config.device if kind == "GPU" else "cpu")
             for rank in range(self.tp):
-                strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank,
+                strategy = PlacementGroupSchedulingStrategy(self.pg or self._outer_pg,
+                                                            placement_group_bundle_index=bundles[rank],
                                                             placement_group_capture_child_tasks=True)
                 self.actors.append(remote_cls.options(scheduling_strategy=strategy, runtime_env={"env_vars": env},
                                                       name=None).remote(rank, self.tp, worker_config))
@@ -238,6 +252,21 @@ class RayExecutor(Executor):
             if isinstance(e, WorkerError) and e.user_error is not None:
                 raise e.user_error from e
             raise
+
+    def _bundles_of_current_group(self, kind: str) -> list[int] | None:
+        """Inside a placement group (a task of `distengine bench sweep`, or anyone's), the ranks go
+        on its last `tensor_parallel_size` bundles that hold the device (the first may hold the
+        caller itself); the group is the caller's, and stays when the engine shuts down."""
+        from ray.util import get_current_placement_group
+        outer = get_current_placement_group()
+        if outer is None:
+            return None
+        fit = [i for i, b in enumerate(outer.bundle_specs) if b.get(kind, 0) >= 1]
+        if len(fit) < self.tp:
+            raise PlacementGroupError(f"this task's placement group has {len(fit)} bundle(s) with a {kind} but "
+                                      f"tensor_parallel_size is {self.tp}")
+        self._outer_pg = outer
+        return fit[-self.tp:]
 
     def _share_node_gpus(self, timeout: float) -> None:
         """Every rank on a node sees all the GPUs the engine holds there (as vLLM's Ray workers
@@ -325,6 +354,12 @@ class RayExecutor(Executor):
             return f"worker {_short(e)}"  # the worker's message starts with its rank
         return f"the workers failed while executing a step: {_short(e)}"
 
+    def collective_rpc(self, method: str, args: tuple = (), ranks: list[int] | None = None) -> list:
+        self._raise_if_dead()
+        picked = [self.actors[r] for r in (ranks if ranks is not None else range(self.tp))]
+        return self._gather([getattr(a, method).remote(*args) for a in picked], self.execute_timeout_s,
+                            f"running {method}")
+
     def check_health(self) -> None:
         """Every rank answers a ping (served beside the compiled graph's step loop)."""
         self._raise_if_dead()
@@ -380,8 +415,9 @@ class RayExecutor(Executor):
 
 
 def create_executor(config: EngineConfig) -> Executor:
-    """RayExecutor when TP > 1 or a Ray address is given (or RAY_ADDRESS is set); else in-process."""
-    if config.use_ray or os.environ.get("RAY_ADDRESS"):
+    """RayExecutor when TP > 1, a Ray address is given (or RAY_ADDRESS is set) or Ray is asked for;
+    else in-process."""
+    if config.use_ray or (os.environ.get("RAY_ADDRESS") and config.distributed_executor_backend != "uni"):
         return RayExecutor(config)
     return UniprocExecutor(config)
 

@@ -46,6 +46,7 @@ def add_model_arguments(p) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per step (default: 2048, or max-model-len up to 8192)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--no-enable-prefix-caching", action="store_true", help="no prefix caching")
     p.add_argument("--no-async-scheduling", action="store_true", help="no overlap of scheduling and execution")
     p.add_argument("--custom-all-reduce", action="store_true",
                    help="TP>1: small all-reduces over NVLink peer-to-peer (opt-in; NCCL otherwise)")
@@ -246,18 +247,9 @@ def make_llm(args, model: str, max_model_len: int):
                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                enforce_eager=args.enforce_eager,
                async_scheduling=not args.no_async_scheduling, seed=args.seed, load_format=args.load_format,
-               disable_custom_all_reduce=not args.custom_all_reduce)
-
-
-def engine_device(llm) -> str:
-    return llm.executor.plan_info["device"]
-
-
-def device_name(device: str) -> str:
-    import torch
-    if device.startswith("cuda") and torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    return "CPU"
+               disable_custom_all_reduce=not args.custom_all_reduce,
+               enable_prefix_caching=not args.no_enable_prefix_caching,
+               distributed_executor_backend=getattr(args, "distributed_executor_backend", None))
 
 
 def write_json(path: str | None, payload: dict) -> None:

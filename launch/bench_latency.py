@@ -35,7 +35,6 @@ def run(args) -> int:
     _check(args)
     model = bc.resolve_model(args)
     dev = "cuda" if bc.has_cuda(args.device) else "cpu"
-    bandwidth, matmul = bc.copy_bandwidth(dev), bc.matmul_rate(dev)
     vocab = _vocab(model)
     hf = {}
     if args.hf:
@@ -43,6 +42,8 @@ def run(args) -> int:
             hf[b] = bc.hf_generate(model, bc.random_prompts(vocab, b, args.input_len, args.seed), args.output_len, dev)
     results = []
     with bc.make_llm(args, model, args.input_len + args.output_len) as llm:
+        # The ceilings of the roofline, measured on rank 0's device, where the engine runs.
+        bandwidth, matmul = llm.executor.collective_rpc("measure_ceilings", ranks=[0])[0]
         rf = bc.roofline_of(llm, bandwidth, matmul)
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
         for b in args.batch_size:
@@ -72,7 +73,7 @@ def run(args) -> int:
                                 decode_tok_s=b / step, roofline_decode_tok_s=b / roof_step,
                                 hf_output_tok_s=hf.get(b)))
         info = dict(llm.executor.plan_info)
-    device = bc.device_name(dev)
+    device = info["device_name"]
     print(f"\n{device}, TP={args.tensor_parallel_size}; model {model}; in {args.input_len} / out {args.output_len}; "
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 product {matmul / 1e12:.0f} TFLOP/s (same run); "
           f"weights per rank {info['weight_bytes'] / 1e9:.2f} GB; CUDA graphs: {bool(info['cuda_graphs'])}")

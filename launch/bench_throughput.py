@@ -59,7 +59,6 @@ def run(args) -> int:
         raise ValueError("--num-prompts, --input-len and --output-len must be >= 1")
     model = bc.resolve_model(args)
     dev = "cuda" if bc.has_cuda(args.device) else "cpu"
-    bandwidth, matmul = bc.copy_bandwidth(dev), bc.matmul_rate(dev)
     from launch.bench_latency import _vocab
     vocab = _vocab(model)
     if args.dataset_path:
@@ -77,6 +76,8 @@ def run(args) -> int:
         hf = bc.hf_generate(model, [p for p, _ in requests], args.output_len, dev)
     longest = max(len(p["prompt_token_ids"]) + n for p, n in requests)
     with bc.make_llm(args, model, longest) as llm:
+        # The ceilings of the roofline, measured on rank 0's device, where the engine runs.
+        bandwidth, matmul = llm.executor.collective_rpc("measure_ceilings", ranks=[0])[0]
         rf = bc.roofline_of(llm, bandwidth, matmul)
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests]
         prompts = [p for p, _ in requests]
@@ -93,7 +94,7 @@ def run(args) -> int:
         chunk = requests[i:i + wave]
         mean_in = sum(len(p["prompt_token_ids"]) for p, _ in chunk) // len(chunk)
         roof += rf.decode_s(len(chunk), mean_in, max(n for _, n in chunk))
-    device = bc.device_name(dev)
+    device = info["device_name"]
     ours, roof_tok = n_out / elapsed, n_out / roof
     print(f"\nThroughput: {len(requests) / elapsed:.2f} requests/s, {(n_in + n_out) / elapsed:.2f} total tokens/s, "
           f"{ours:.2f} output tokens/s")

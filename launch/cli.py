@@ -24,6 +24,7 @@ COMMANDS = (
     (("bench", "latency"), "launch.bench_latency", "the time to generate one batch, against the roofline"),
     (("bench", "throughput"), "launch.bench_throughput", "offline throughput over many prompts, against the roofline"),
     (("bench", "serve"), "launch.bench_serve", "load on an OpenAI-compatible server: throughput, TTFT, TPOT, ITL"),
+    (("bench", "sweep"), "launch.bench_sweep", "a grid of benchmark points scheduled by Ray, with a table and plots"),
 )
 # Errors that mean "what you asked for cannot be done", not "the program broke".
 USER_ERROR_NAMES = {"ConfigError", "PlacementGroupError", "KVCacheTooSmallError", "UnsupportedArchitectureError",

@@ -43,6 +43,8 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"], help="model dtype")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="where the workers run")
     p.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: $RAY_ADDRESS, else local)")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights, no checkpoint read (benchmarks)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds requests in flight may take to finish after SIGTERM or Ctrl-C")
 
@@ -60,7 +62,8 @@ def run(args) -> int:
                       kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens,
                       enable_prefix_caching=not args.no_enable_prefix_caching, enforce_eager=args.enforce_eager,
-                      dtype=args.dtype, device=args.device, ray_address=args.ray_address)
+                      dtype=args.dtype, device=args.device, ray_address=args.ray_address,
+                      load_format=args.load_format)
     try:
         app = build_app(engine, names, args.api_key or os.environ.get("DISTENGINE_API_KEY") or None)
         verbose = bool(os.environ.get("DISTENGINE_VERBOSE"))

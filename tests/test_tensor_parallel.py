@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
@@ -17,13 +16,7 @@ from workers.parallel import TPGroup
 ARCHS = sorted(CONFIGS)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world: int, port: int, folder: str, backend: str = "gloo") -> None:
+def _worker(rank: int, world: int, rendezvous: str, folder: str, backend: str = "gloo") -> None:
     import importlib
 
     from safetensors.torch import load_file
@@ -34,7 +27,7 @@ def _worker(rank: int, world: int, port: int, folder: str, backend: str = "gloo"
     if backend == "nccl":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
-    tp = init_tp_group(rank, world, f"tcp://127.0.0.1:{port}", backend)
+    tp = init_tp_group(rank, world, rendezvous, backend)
     results = {}
     for name in ARCHS:
         config = getattr(importlib.import_module("transformers"), CONFIGS[name][0]).from_pretrained(
@@ -68,8 +61,9 @@ def test_tp2_matches_transformers(tmp_path, backend):
             refs[name] = (hf(torch.tensor([prompt])).logits[0],
                           hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
                                       attention_mask=torch.ones(1, 40, dtype=torch.long))[0, 40:].tolist())
-    mp.start_processes(_worker, args=(2, _free_port(), str(tmp_path), backend), nprocs=2, join=True,
-                       start_method="spawn")
+    # A file rendezvous: a free port picked here could be taken before the workers bind it.
+    mp.start_processes(_worker, args=(2, f"file://{tmp_path / 'rendezvous'}", str(tmp_path), backend), nprocs=2,
+                       join=True, start_method="spawn")
     got = json.load(open(tmp_path / "tp_results.json"))
     for name in ARCHS:
         assert (torch.tensor(got[name]["logits"]) - refs[name][0]).abs().max().item() < 1e-3, name

@@ -127,8 +127,15 @@ class Worker:
                 "vocab_size": int(r.vocab_size), "block_bytes": plan.block_bytes, "num_buffers": plan.num_slots,
                 "tp_size": plan.tp_size, "dtype": str(r.dtype).removeprefix("torch."), "num_blocks": r.num_blocks,
                 "device": str(self.device), "cuda_graphs": r.graphs.sizes if r.graphs else [],
+                "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "CPU",
                 "graph_memory_bytes": r.graph_memory_bytes,
                 "weight_bytes": sum(p.numel() * p.element_size() for p in r.model.parameters())}
+
+    def measure_ceilings(self) -> tuple[float, float]:
+        """(copy bandwidth in bytes/s, matrix-product rate in FLOP/s) of this rank's device: the
+        benchmarks' roofline, measured where the engine runs."""
+        from launch.bench_common import copy_bandwidth, matmul_rate
+        return copy_bandwidth(str(self.device)), matmul_rate(str(self.device))
 
     def get_plan(self):
         """The KVCachePlan itself (a picklable dataclass): what `KVCacheManager(plan, num_blocks)`
