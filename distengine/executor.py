@@ -344,15 +344,27 @@ class RayExecutor(Executor):
 
     def _describe(self, e: BaseException) -> str:
         import ray
-        if isinstance(e, ray.exceptions.RayActorError):
-            rank = self._ranks.get(getattr(e, "actor_id", None) or "")
-            who = f"worker rank {rank}" if rank is not None else "a worker"
-            return f"{who} died while executing a step: {_short(e)}"
         if isinstance(e, ray.exceptions.RayChannelTimeoutError):
             return f"a step took longer than {self.execute_timeout_s:g} s: a worker hangs"
         if isinstance(e, ray.exceptions.RayTaskError):
             return f"worker {_short(e)}"  # the worker's message starts with its rank
-        return f"the workers failed while executing a step: {_short(e)}"
+        # An actor that died shows as its own error, or as the graph's channels closing (Ray's
+        # monitor may tear the graph down first): ask every rank which.
+        dead = self._dead_ranks()
+        who = f"worker rank {', '.join(map(str, dead))}" if dead else "a worker"
+        return f"{who} died while executing a step: {_short(e)}"
+
+    def _dead_ranks(self, timeout: float = 2.0) -> list[int]:
+        import ray
+        refs = {a.ping.remote(): r for r, a in enumerate(self.actors)}
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout)
+        dead = []
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except Exception:  # noqa: BLE001 - RayActorError: this rank is gone
+                dead.append(refs[ref])
+        return sorted(dead)
 
     def collective_rpc(self, method: str, args: tuple = (), ranks: list[int] | None = None) -> list:
         self._raise_if_dead()
