@@ -326,15 +326,17 @@ def build_app(engine, served_names: list[str], api_key: str | None = None):
             yield "data: " + json.dumps(error_body(503, f"the engine died while serving this request: {e}")) + "\n\n"
         yield "data: [DONE]\n\n"
 
+    def precheck(req) -> JSONResponse | None:
+        """The answer for a request that must not run: unknown model, dead engine, unsupported."""
+        refused = refuse(req.model)
+        if refused is None and req.unsupported():
+            field, why = req.unsupported()[0]
+            refused = error(400, why, field)
+        return refused
+
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
-        refused = refuse(req.model)
-        if refused is not None:
-            return refused
-        bad = req.unsupported()
-        if bad:
-            return error(400, bad[0][1], bad[0][0])
-        return await serve_request(req, raw, req.prompts(), req.logprobs, chat=False)
+        return precheck(req) or await serve_request(req, raw, req.prompts(), req.logprobs, chat=False)
 
     def chat_prompt(messages) -> str:
         if tok is None or not getattr(tok, "chat_template", None):
@@ -344,12 +346,9 @@ def build_app(engine, served_names: list[str], api_key: str | None = None):
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
-        refused = refuse(req.model)
+        refused = precheck(req)
         if refused is not None:
             return refused
-        bad = req.unsupported()
-        if bad:
-            return error(400, bad[0][1], bad[0][0])
         try:
             prompt = chat_prompt(req.messages)
         except ValueError as e:

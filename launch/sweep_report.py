@@ -78,15 +78,15 @@ def plots(records: list[dict], spec: dict, out_dir: str) -> list[str]:
         return written
     # One line per TP size and per value of every other swept parameter.
     others = [n for n in spec["grid"] if n not in (xname, "tensor_parallel_size")]
-    by_tp: dict[str, list[dict]] = {}
+    series: dict[str, list[dict]] = {}
     for r in ok:
         label = ", ".join([f"TP={_tp(r)}"] + [f"{n}={r['point'].get(n)}" for n in others])
-        by_tp.setdefault(label, []).append(r)
+        series.setdefault(label, []).append(r)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     finite = [r["point"][xname] for r in ok if isinstance(r["point"].get(xname), (int, float))
               and math.isfinite(r["point"][xname])]
     inf_at = max(finite) * 2 if finite else 1.0
-    for tp, recs in sorted(by_tp.items()):
+    for label, recs in sorted(series.items()):
         pts = []
         for r in recs:
             x = _x_value(r["point"].get(xname))
@@ -95,36 +95,35 @@ def plots(records: list[dict], spec: dict, out_dir: str) -> list[str]:
             pts.append((x, r["figures"]["output_tok_s"]))
         pts.sort(key=lambda p: (isinstance(p[0], str), p[0]))
         ax.plot([str(p[0]) if isinstance(p[0], str) else p[0] for p in pts], [p[1] for p in pts], marker="o",
-                label=tp)
+                label=label)
     ax.set_xlabel(xname + (" (inf plotted at twice the largest)" if any(
         isinstance(r["point"].get(xname), float) and math.isinf(r["point"][xname]) for r in ok) else ""))
     ax.set_ylabel("output tokens/s")
     ax.set_title(f"{spec['kind']}: {os.path.basename(spec['model'].rstrip('/'))}")
     ax.grid(True, alpha=0.3)
     ax.legend()
-    path = os.path.join(out_dir, "throughput.png")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    written.append(_save(plt, fig, os.path.join(out_dir, "throughput.png")))
     if spec["kind"] == "serve":
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
         for ax, what in zip(axes, ("ttft", "itl")):
-            for tp, recs in sorted(by_tp.items()):
+            for label, recs in sorted(series.items()):
                 recs = sorted(recs, key=lambda r: r["figures"]["output_tok_s"])
                 xs = [r["figures"]["output_tok_s"] for r in recs]
                 for q, style in (("p50", "-o"), ("p99", "--o")):
-                    ax.plot(xs, [r["figures"][f"{what}_{q}_ms"] for r in recs], style, label=f"{tp} {q}")
+                    ax.plot(xs, [r["figures"][f"{what}_{q}_ms"] for r in recs], style, label=f"{label} {q}")
             ax.set_xlabel("output tokens/s")
             ax.set_ylabel(f"{what.upper()} (ms)")
             ax.grid(True, alpha=0.3)
             ax.legend()
-        path = os.path.join(out_dir, "latency.png")
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(plt, fig, os.path.join(out_dir, "latency.png")))
     return written
+
+
+def _save(plt, fig, path: str) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def write_report(records: list[dict], spec: dict, out_dir: str) -> str:
