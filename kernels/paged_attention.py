@@ -225,6 +225,15 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     return _next_pow2(want) if want > 1 else 1
 
 
+def _tile_n(block_size: int, tile: int) -> int:
+    """Keys per tile: a power of two. A tile may span blocks or part of one (each key looks its
+    block up): a power-of-two block up to 256 gives one block per tile; any other block size
+    (a Mamba hybrid's, e.g. 176) the default tile."""
+    if block_size & (block_size - 1) == 0 and block_size <= 256:
+        return max(block_size, tile)
+    return tile
+
+
 def default_config(max_query_len: int, head_dim: int, gqa: int, block_size: int, sliding_window: int = 0,
                    max_seq_len: int = 0) -> dict:
     """Tile shapes and launch options, the fastest of sweeps on an H200 (bf16, block 16; D=128 with
@@ -237,11 +246,11 @@ def default_config(max_query_len: int, head_dim: int, gqa: int, block_size: int,
         tile = 128 if sliding_window and head_dim <= 128 else 64
         # At D=256 long contexts gain a third stage (B=16, 16k tokens: 532 vs 632 us).
         stages = 3 if head_dim > 128 and max_seq_len >= 4096 else 2
-        return {"BLOCK_M": block_m, "TILE_N": max(block_size, tile), "num_warps": 4, "num_stages": stages}
+        return {"BLOCK_M": block_m, "TILE_N": _tile_n(block_size, tile), "num_warps": 4, "num_stages": stages}
     if head_dim <= 128 and max_query_len < 8192:
-        return {"BLOCK_M": max(block_m, 64), "TILE_N": max(block_size, 64), "num_warps": 4, "num_stages": 3}
+        return {"BLOCK_M": max(block_m, 64), "TILE_N": _tile_n(block_size, 64), "num_warps": 4, "num_stages": 3}
     tile = 128 if head_dim <= 128 else 64
-    return {"BLOCK_M": max(block_m, 128), "TILE_N": max(block_size, tile), "num_warps": 8, "num_stages": 3}
+    return {"BLOCK_M": max(block_m, 128), "TILE_N": _tile_n(block_size, tile), "num_warps": 8, "num_stages": 3}
 
 
 def paged_attention(

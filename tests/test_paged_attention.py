@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from kernels.paged_attention import choose_num_splits, paged_attention
+from kernels.paged_attention import default_config, choose_num_splits, paged_attention
 from kernels.paged_attention_ref import paged_attention_ref
 from tests.conftest import DEVICE
 
@@ -94,6 +94,19 @@ def test_split_kv_decode(splits, window, sinks):
     if sinks:
         kw["sinks"] = torch.randn(8, generator=g).to(DEVICE)
     check(args, **kw)
+
+
+@pytest.mark.parametrize("block_size", [12, 44])
+def test_block_size_not_a_power_of_two(block_size):
+    """Mamba hybrids' blocks (176 tokens for Bamba-9B): tiles of keys span blocks or parts of one;
+    the default configuration picks a power-of-two tile."""
+    for max_query_len in (1, 40):
+        assert default_config(max_query_len, 64, 4, block_size)["TILE_N"] & (default_config(
+            max_query_len, 64, 4, block_size)["TILE_N"] - 1) == 0
+    args, _ = make_case(MIXED, 8, 2, 64, block_size, torch.bfloat16)
+    check(args, config=small(4))
+    args, _ = make_case(DECODES, 8, 2, 64, block_size, torch.float16)
+    check(args, config=small(4), num_splits=2)
 
 
 def test_per_head_scale():

@@ -1,0 +1,96 @@
+"""Gated grouped RMSNorm of the Mamba-2 mixers (Bamba, Falcon-H1, NemotronH...): the scan output
+`x` is gated by `silu(z)` and RMS-normalised per group of `group_size` channels.
+
+- `norm_before_gate=False` (Bamba, Mamba-2): g = x * silu(z); out = g * rsqrt(mean_group(g^2) + eps) * w
+- `norm_before_gate=True` (Falcon-H1's default): out = x * rsqrt(mean_group(x^2) + eps) * w * silu(z)
+
+Numerics: everything in fp32 (x, z and w are upcast), output in x's dtype. Where the result is
+rounded to x's dtype differs between the transformers classes, so it is an option:
+- `round_before_weight=False` (default): one rounding at the very end, as FalconH1RMSNormGated,
+  vLLM's RMSNormGated and mamba_ssm's fused kernel do.
+- `round_before_weight=True`: BambaRMSNormGated's order: the normalised value is rounded to x's
+  dtype first (`hidden_states.to(input_dtype)`), then multiplied by the weight (`self.weight *
+  ...`, a product in the weight's dtype, i.e. computed in fp32 and rounded once more). Only
+  meaningful with norm_before_gate=False (Bamba has no other form).
+With either choice the gate product x * silu(z) is formed in fp32 from the unrounded x (both
+classes upcast x before it: Bamba casts x first, Falcon multiplies x by an fp32 silu(z)).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+__all__ = ["gated_rms_norm", "gated_rms_norm_ref"]
+
+
+@triton.jit
+def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, group_size, eps, sx, sz, so,
+                           NORM_BEFORE_GATE: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    col0 = tl.program_id(1) * group_size
+    cols = tl.arange(0, BLOCK)
+    mask = cols < group_size
+    x = tl.load(x_ptr + row * sx + col0 + cols, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + row * sz + col0 + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = z / (1.0 + tl.exp(-z))
+    if not NORM_BEFORE_GATE:
+        x = x * gate
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / group_size + eps)
+    w = tl.load(w_ptr + col0 + cols, mask=mask, other=0.0).to(tl.float32)
+    y = x * rstd
+    if ROUND_BEFORE_WEIGHT:
+        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
+    y = y * w
+    if NORM_BEFORE_GATE:
+        y = y * gate
+    tl.store(out_ptr + row * so + col0 + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int) -> None:
+    assert x.dim() == 2 and z.shape == x.shape, (x.shape, z.shape)
+    assert weight.shape == (x.shape[1],), (weight.shape, x.shape)
+    assert group_size > 0 and x.shape[1] % group_size == 0, (x.shape, group_size)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float,
+                   norm_before_gate: bool = False, round_before_weight: bool = False) -> torch.Tensor:
+    """x, z `[T, I]` (row strides arbitrary, unit column stride), weight `[I]`; returns a new
+    contiguous `[T, I]` tensor in x's dtype. One program per (row, group)."""
+    _check(x, z, weight, group_size)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if z.stride(-1) != 1:
+        z = z.contiguous()
+    T, I = x.shape
+    out = torch.empty((T, I), dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    block = triton.next_power_of_2(group_size)
+    assert block <= 65536, "group too wide for one program"
+    _gated_rms_norm_kernel[(T, I // group_size)](
+        x, z, weight, out, group_size, float(eps), x.stride(0), z.stride(0), out.stride(0),
+        NORM_BEFORE_GATE=bool(norm_before_gate), ROUND_BEFORE_WEIGHT=bool(round_before_weight), BLOCK=block,
+        num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16)
+    return out
+
+
+def gated_rms_norm_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float,
+                       norm_before_gate: bool = False, round_before_weight: bool = False) -> torch.Tensor:
+    """Same contract as `gated_rms_norm`; fp32 math (fp64 for fp64 inputs)."""
+    _check(x, z, weight, group_size)
+    acc = torch.promote_types(x.dtype, torch.float32)
+    T, I = x.shape
+    xf, gate = x.to(acc), F.silu(z.to(acc))
+    if not norm_before_gate:
+        xf = xf * gate
+    g = xf.view(T, I // group_size, group_size)
+    y = (g * torch.rsqrt(g.square().mean(-1, keepdim=True) + eps)).view(T, I)
+    if round_before_weight:
+        y = y.to(x.dtype).to(acc)
+    y = y * weight.to(acc)
+    if norm_before_gate:
+        y = y * gate
+    return y.to(x.dtype)
