@@ -37,6 +37,10 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # vLLM's name: the KV cache per rank, on any device
     cpu_kv_cache_space_gib: float = 1.0  # a CPU rank's default; VLLM_CPU_KVCACHE_SPACE (GiB) sets it
     enable_prefix_caching: bool = True
+    # Mamba hybrids: besides the states kept at each step's last block end and where prompts
+    # diverge, keep the recurrent state every this many tokens (rounded up to whole blocks) for
+    # prefix hits; None or 0: no periodic ones; 1: every block.
+    mamba_checkpoint_interval: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 0    # resolved: max(2048, max_model_len up to 8192)
     seed: int = 0
@@ -129,6 +133,9 @@ class EngineConfig:
              "None, 'ray' or 'uni'")
         if self.distributed_executor_backend == "uni" and (self.tensor_parallel_size > 1 or self.ray_address):
             raise ValueError("distributed_executor_backend='uni' runs tensor_parallel_size=1 in this process only")
+        if self.mamba_checkpoint_interval is not None:
+            integer("mamba_checkpoint_interval")
+            want("mamba_checkpoint_interval", self.mamba_checkpoint_interval >= 0, ">= 0 tokens (or None)")
         if self.num_gpu_blocks_override is not None:
             integer("num_gpu_blocks_override")
             want("num_gpu_blocks_override", self.num_gpu_blocks_override >= 2, ">= 2")

@@ -176,6 +176,12 @@ class Scheduler:
             blocks, hit = self.manager.get_computed_blocks(req)
             n = min(req.num_tokens - hit, budget)
             appended = self.manager.allocate_slots(req, n, hit, blocks)
+            if appended is None and hit and not self.running:
+                # A prefix hit's pages are held while the step reads them (a Mamba state): a
+                # pool that small serves the request from scratch.
+                hit, blocks = 0, None
+                n = min(req.num_tokens, budget)
+                appended = self.manager.allocate_slots(req, n)
             if appended is None:
                 break  # FCFS: nothing behind it jumps the queue
             self.waiting.popleft()

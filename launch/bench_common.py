@@ -17,17 +17,41 @@ import os
 import time
 from dataclasses import dataclass
 
+_GEMMA3 = dict(max_position_embeddings=32768, sliding_window_pattern=6)
+# A shape: (transformers model_type, config fields), or (model_type, (a built-in config of
+# distengine/configs, as `distengine kv-plan --config` plans it, changes)).
 SHAPES = {
     # Gemma-3 text models (5 sliding-window : 1 full layers), the published shapes.
-    "gemma-3-12b": dict(hidden_size=3840, intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16,
-                        num_key_value_heads=8, head_dim=256, sliding_window=1024, vocab_size=262208),
-    "gemma-3-4b": dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
-                       num_key_value_heads=4, head_dim=256, sliding_window=1024, vocab_size=262208),
+    "gemma-3-12b": ("gemma3_text", dict(hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+                                        num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+                                        sliding_window=1024, vocab_size=262208, **_GEMMA3)),
+    "gemma-3-4b": ("gemma3_text", dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+                                       num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                                       sliding_window=1024, vocab_size=262208, **_GEMMA3)),
+    # A Mamba-2 hybrid: 29 Mamba layers and 3 attention layers. Positions capped (published:
+    # 262,144): transformers 5.17's Bamba builds a max_position_embeddings^2 mask (128 GiB).
+    "bamba-9b": ("bamba", ("bamba-9b", dict(max_position_embeddings=16384))),
     # For tests on CPU.
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, sliding_window=16, vocab_size=512),
+    "tiny": ("gemma3_text", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=16, sliding_window=16, vocab_size=512, **_GEMMA3)),
+    "tiny-bamba": ("bamba", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                                 num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16,
+                                 mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16, vocab_size=512,
+                                 max_position_embeddings=4096)),
 }
 
+
+def shape_config(shape: str):
+    """The transformers config of a named shape."""
+    from transformers import AutoConfig
+    model_type, fields = SHAPES[shape]
+    if isinstance(fields, tuple):  # a built-in config, with changes
+        from distengine.kv_cache.model_config import CONFIG_DIR
+        name, changes = fields
+        fields = json.loads((CONFIG_DIR / f"{name}.json").read_text())
+        fields = {k: v for k, v in fields.items() if k not in ("model_type", "architectures", "torch_dtype")}
+        fields.update(changes)
+    return AutoConfig.for_model(model_type, **fields)
 
 def add_model_arguments(p) -> None:
     p.add_argument("--model", default=None,
@@ -47,6 +71,9 @@ def add_model_arguments(p) -> None:
                    help="tokens per step (default: 2048, or max-model-len up to 8192)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--no-enable-prefix-caching", action="store_true", help="no prefix caching")
+    p.add_argument("--mamba-checkpoint-interval", type=int, default=None,
+                   help="Mamba hybrids: also keep the state every N tokens for prefix hits (default: only "
+                        "at each step's last block end and where prompts diverge; 1: every block)")
     p.add_argument("--no-async-scheduling", action="store_true", help="no overlap of scheduling and execution")
     p.add_argument("--custom-all-reduce", action="store_true",
                    help="TP>1: small all-reduces over NVLink peer-to-peer (opt-in; NCCL otherwise)")
@@ -69,21 +96,21 @@ def resolve_model(args) -> str:
 
 
 def build_random_model(folder: str, shape: str, device: str = "auto", weights: bool = True) -> None:
-    """A Gemma-3-shaped text model with transformers' random initialisation, saved in bf16 (only
-    its config.json without `weights`, for --load-format dummy)."""
+    """A model of a named shape with transformers' random initialisation, saved in bf16 (only its
+    config.json without `weights`, for --load-format dummy)."""
     import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from transformers import AutoModelForCausalLM
     dev = "cuda" if device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
-    cfg = Gemma3TextConfig(**SHAPES[shape], max_position_embeddings=32768, sliding_window_pattern=6)
+    cfg = shape_config(shape)
     if not weights:
-        cfg.architectures = ["Gemma3ForCausalLM"]
+        cfg.architectures = [AutoModelForCausalLM._model_mapping[type(cfg)].__name__]
         cfg.dtype = "bfloat16"
         os.makedirs(folder, exist_ok=True)
         cfg.save_pretrained(folder)
         return
     torch.manual_seed(0)
     with torch.device(dev):
-        model = Gemma3ForCausalLM(cfg).to(torch.bfloat16 if dev == "cuda" else torch.float32)
+        model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16 if dev == "cuda" else torch.float32)
     os.makedirs(folder, exist_ok=True)
     model.save_pretrained(folder)
     del model
@@ -148,11 +175,12 @@ class Roofline:
     num_params: int    # the whole model's
 
     def kv_bytes(self, context: int) -> int:
-        """K/V bytes one rank reads for one sequence of `context` tokens, every layer."""
+        """Cache bytes one rank moves in a decode step of one sequence of `context` tokens, every
+        layer: attention K/V read; a Mamba layer's state read and written back."""
         total = 0
         for layer in self.layers:
             if layer.kind == "mamba":
-                total += layer.state_bytes(self.tp, self.dtype_bytes)
+                total += 2 * layer.state_bytes(self.tp, self.dtype_bytes)
                 continue
             tokens = context
             if layer.window:
@@ -216,7 +244,10 @@ def median(xs: list[float]) -> float:
 
 
 def hf_generate(model: str, prompts: list[dict], output_len: int, device: str) -> float:
-    """transformers' generate() on the same weights, greedy, a fixed output length: output tokens/s."""
+    """transformers' generate() on the same weights, greedy, a fixed output length: output tokens/s
+    (NaN, with a note on stderr, when it runs out of device memory: the reference's own limit)."""
+    import sys
+
     import torch
     from transformers import AutoModelForCausalLM
     from workers.loader import resolve_model_path
@@ -225,19 +256,25 @@ def hf_generate(model: str, prompts: list[dict], output_len: int, device: str) -
     where = {"device_map": dev} if dev == "cuda" else {}
     m = AutoModelForCausalLM.from_pretrained(str(resolve_model_path(model)), dtype=dtype, **where).eval()
     ids = torch.tensor([p["prompt_token_ids"] for p in prompts], device=dev)
-    with torch.no_grad():
-        m.generate(ids[:, :16], max_new_tokens=4, min_new_tokens=4, do_sample=False)
-        _sync(dev)
-        t = time.perf_counter()
-        out = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
-                         min_new_tokens=output_len, do_sample=False)
-        _sync(dev)
-        dt = time.perf_counter() - t
-    n = (out.shape[1] - ids.shape[1]) * ids.shape[0]
-    del m
-    if dev == "cuda":
-        torch.cuda.empty_cache()
-    return n / dt
+    try:
+        with torch.no_grad():
+            m.generate(ids[:, :16], max_new_tokens=4, min_new_tokens=4, do_sample=False)
+            _sync(dev)
+            t = time.perf_counter()
+            out = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
+                             min_new_tokens=output_len, do_sample=False)
+            _sync(dev)
+            dt = time.perf_counter() - t
+        n = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+        return n / dt
+    except torch.OutOfMemoryError as e:
+        print(f"transformers generate() at batch {len(prompts)}: out of memory ({str(e).splitlines()[0]})",
+              file=sys.stderr)
+        return float("nan")
+    finally:
+        del m
+        if dev == "cuda":
+            torch.cuda.empty_cache()
 
 
 def make_llm(args, model: str, max_model_len: int):
@@ -249,6 +286,7 @@ def make_llm(args, model: str, max_model_len: int):
                async_scheduling=not args.no_async_scheduling, seed=args.seed, load_format=args.load_format,
                disable_custom_all_reduce=not args.custom_all_reduce,
                enable_prefix_caching=not args.no_enable_prefix_caching,
+               mamba_checkpoint_interval=args.mamba_checkpoint_interval,
                distributed_executor_backend=getattr(args, "distributed_executor_backend", None))
 
 

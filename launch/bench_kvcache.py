@@ -6,7 +6,12 @@ request per step, at most 256 running; on a shortage the newest running request 
 admission (a preempted request finding its own blocks again is not a hit of the trace).
 
 The pool is sized in memory: `--num-blocks N` is N blocks of vLLM's layout of the model (its
-group size); our layout gets the same bytes, N x vLLM's group size / ours blocks.
+group size, and for a Mamba hybrid its one-page state); our layout gets the same bytes
+(`--memory-gib` gives the bytes directly).
+
+A Mamba hybrid (`--layout bamba-9b`) is also run through our manager with vLLM's layout and
+vLLM's prefix-caching rule for Mamba: blocks of 528 tokens (one page holds a state), the state
+kept at every block end: the hit tokens against that rule show what the finer layout buys.
 """
 from __future__ import annotations
 
@@ -19,10 +24,11 @@ from dataclasses import dataclass, field
 
 from distengine.kv_cache.manager import KVCacheManager
 from distengine.kv_cache.model_config import load_config_dict, parse_model_config
-from distengine.kv_cache.plan import KVCachePlan, make_plan
+from distengine.kv_cache.plan import GIB, KVCachePlan, make_plan, vllm_plan
 from distengine.request import Request
 
-LAYOUTS = {"full": "llama-3-8b", "gemma-3-27b": "gemma-3-27b"}
+LAYOUTS = {"full": "llama-3-8b", "gemma-3-27b": "gemma-3-27b", "bamba-9b": "bamba-9b"}
+VLLM_LAYOUT = "vllm-layout:"  # prefix of a result of our manager on vLLM's layout (Mamba hybrids)
 MAX_RUNNING = 256
 
 
@@ -220,16 +226,24 @@ def simulate(plan: KVCachePlan, num_blocks: int, trace: list[TraceRequest], layo
 
 
 def layout_plan(layout: str) -> KVCachePlan:
-    name, cfg = load_config_dict(LAYOUTS[layout])
-    return make_plan(parse_model_config(cfg, name))
+    """Our plan of a layout; "vllm-layout:NAME" is vLLM's layout of the same model."""
+    vllm = layout.startswith(VLLM_LAYOUT)
+    name, cfg = load_config_dict(LAYOUTS[layout.removeprefix(VLLM_LAYOUT)])
+    plan = make_plan(parse_model_config(cfg, name))
+    return vllm_plan(plan) if vllm else plan
+
+
+def is_hybrid(layout: str) -> bool:
+    return any(g.spec.kind == "mamba" for g in layout_plan(layout).groups)
 
 
 def run_layout(layout: str, trace: list[TraceRequest], num_blocks_vllm: int, make_manager=KVCacheManager,
-               same_memory: bool = True) -> dict:
+               same_memory: bool = True, memory_bytes: int | None = None) -> dict:
     """Both passes over the trace for one layout. With `same_memory`, the pool of `num_blocks_vllm`
-    blocks of vLLM's layout is converted to blocks of the plan's layout."""
+    blocks of vLLM's layout (or of `memory_bytes`) is converted to blocks of the plan's layout."""
     plan = layout_plan(layout)
-    num_blocks = num_blocks_vllm * plan.baseline.group_size // plan.num_slots if same_memory else num_blocks_vllm
+    pool_bytes = memory_bytes or num_blocks_vllm * vllm_plan(plan).block_bytes
+    num_blocks = pool_bytes // plan.block_bytes if same_memory else num_blocks_vllm
     timed_calls = simulate(plan, num_blocks, trace, layout, time_calls=True, make_manager=make_manager)
     timed_steps = simulate(plan, num_blocks, trace, layout, time_calls=False, make_manager=make_manager)
     a, b = timed_calls.summary(), timed_steps.summary()
@@ -237,6 +251,8 @@ def run_layout(layout: str, trace: list[TraceRequest], num_blocks_vllm: int, mak
         assert a[key] == b[key], f"the two passes disagree on {key}: {a[key]} != {b[key]}"
     a["us_per_step"] = b["us_per_step"]
     a["pool_layer_pages"] = num_blocks * a["group_size"]
+    a["block_size"] = plan.block_size
+    a["pool_gib"] = round(num_blocks * plan.block_bytes / GIB, 2)
     return a
 
 
@@ -253,7 +269,12 @@ def run(args) -> int:
     if args.save_trace:
         save_trace(trace, args.save_trace)
     layouts = [args.layout] if args.layout else list(LAYOUTS)
-    results = {layout: run_layout(layout, trace, args.num_blocks) for layout in layouts}
+    memory = int(args.memory_gib * GIB) if args.memory_gib else None
+    results = {layout: run_layout(layout, trace, args.num_blocks, memory_bytes=memory) for layout in layouts}
+    for layout in layouts:
+        if is_hybrid(layout):
+            results[VLLM_LAYOUT + layout] = run_layout(VLLM_LAYOUT + layout, trace, args.num_blocks,
+                                                       memory_bytes=memory)
     if args.reference == "vllm":
         from launch.vllm_reference import make_vllm_manager
         for layout in layouts:
@@ -264,12 +285,19 @@ def run(args) -> int:
         return 0
     print(f"trace: {len(trace)} requests, {sum(len(t.prompt) for t in trace):,} prompt tokens, "
           f"{sum(1 for t in trace if t.parent is not None)} follow-ups")
-    print(f"{'manager:layout':20s} {'groups x slots':>14s} {'blocks':>7s} " + " ".join(f"{LABELS[c]:>12s}" for c in COLUMNS))
+    print(f"{'manager:layout':26s} {'groups x slots':>14s} {'block':>6s} {'blocks':>7s} "
+          + " ".join(f"{LABELS[c]:>12s}" for c in COLUMNS))
     for name, r in results.items():
         label = name if name.startswith("vllm:") else f"ours:{name}"
-        print(f"{label:20s} {r['num_groups']:6d} x {r['group_size']:5d} {r['num_blocks']:7d} "
+        print(f"{label:26s} {r['num_groups']:6d} x {r['group_size']:5d} {r.get('block_size', ''):>6} {r['num_blocks']:7d} "
               + " ".join(f"{r[c]:>12}" for c in COLUMNS))
     for layout in layouts:
+        rule = results.get(VLLM_LAYOUT + layout)
+        if rule:
+            ours = results[layout]
+            print(f"{layout}: {ours['hit_tokens']:,} hit tokens in blocks of {ours['block_size']} vs {rule['hit_tokens']:,} "
+                  f"with vLLM's {rule['block_size']}-token blocks (a state every block): "
+                  f"{ours['hit_tokens'] / max(rule['hit_tokens'], 1):.3f}x, same memory ({ours['pool_gib']} GiB)")
         ref = results.get(f"vllm:{layout}")
         if ref:
             ours = results[layout]
@@ -284,6 +312,8 @@ def add_arguments(p) -> None:
     p.add_argument("--layout", choices=sorted(LAYOUTS), default=None, help="default: every layout")
     p.add_argument("--num-blocks", type=int, default=20000,
                    help="pool size, in blocks of vLLM's layout of the model (same memory for ours)")
+    p.add_argument("--memory-gib", type=float, default=None,
+                   help="pool size in GiB instead (every layout gets it), e.g. 80 for Bamba-9B on an H200")
     p.add_argument("--requests", type=int, default=600, help="requests in the generated trace")
     p.add_argument("--seed", type=int, default=0, help="the generated trace's seed")
     p.add_argument("--save-trace", help="write the trace used as JSON")

@@ -4,11 +4,19 @@ from __future__ import annotations
 import json
 
 from distengine.kv_cache.model_config import MAMBA, load_config_dict, parse_model_config
-from distengine.kv_cache.plan import GIB, KVCachePlan, make_plan, plan_with_group_size
+from distengine.kv_cache.plan import GIB, KVCachePlan, make_plan, vllm_plan
 
 
 def _layer_list(layers: tuple[str | None, ...]) -> str:
-    idx = [name.rsplit(".", 1)[-1] if name else "-" for name in layers]
+    """Layer indices, one per layer (a Mamba state fills several slots), "-" per padding slot;
+    Falcon-H1's Mamba mixers show as "7m"."""
+    idx = []
+    for i, name in enumerate(layers):
+        if name is None:
+            idx.append("-")
+        elif i == 0 or layers[i - 1] != name:
+            parts = name.split(".")
+            idx.append(parts[2] + ("m" if parts[-1] == "mamba" else "") if len(parts) > 2 else name)
     return "layers " + ",".join(idx)
 
 
@@ -52,11 +60,19 @@ def run(args) -> int:
                 else "uniform (every layer keeping K/V for every token)")
     print(f"model {plan.model}  tp={plan.tp_size}  KV bytes per element {plan.dtype_bytes} "
           f"({_dtype_note(cfg, args.kv_cache_dtype, plan.dtype_bytes)})  max_model_len={plan.max_model_len}")
-    print(f"block size {plan.block_size} tokens"
-          + (f" (raised from {plan.requested_block_size} so that an attention page holds a Mamba state)"
-             if plan.block_size != plan.requested_block_size else ""))
-    print(f"page {plan.page_size_bytes:,} B (one layer, one block); {plan.num_slots} buffers "
-          f"(one per layer slot, shared by every group); one block id = {plan.block_bytes:,} B")
+    mamba_spec = next((g.spec for g in plan.groups if g.spec.kind == MAMBA), None)
+    raised = ""
+    if plan.block_size != plan.requested_block_size:
+        where = "one page" if plan.state_pages == 1 else f"{mamba_spec.pages} pages of a block"
+        raised = f" (raised from {plan.requested_block_size} so that {where} hold a Mamba state)"
+    print(f"block size {plan.block_size} tokens{raised}")
+    print(f"page {plan.page_size_bytes:,} B (one layer slot of one block); a block is {plan.num_slots} pages side by "
+          f"side, one per layer slot; one block id = {plan.block_bytes:,} B")
+    if mamba_spec is not None:
+        every = mamba_spec.checkpoint_interval
+        print(f"Mamba: a state spans {mamba_spec.pages} page(s); prefix hits resolve to {plan.block_size} tokens; "
+              f"states kept at each step's last block end and where prompts diverge"
+              + (f", and every {every} tokens" if every else ""))
     print(f"group size {c.group_size} ({c.rule}): {c.num_groups} groups, {c.padding_slots} padding slots")
     print(f"  vLLM's rule: group size {b.group_size}: {b.num_groups} groups, {b.padding_slots} padding slots")
     for g in plan.groups:
@@ -69,11 +85,11 @@ def run(args) -> int:
     print(f"capacity at {plan.max_model_len} tokens per request: {ours:,} tokens; {baseline}: {uni:,} tokens "
           f"({ours / max(uni, 1):.2f}x)")
     if args.tokens is not None:
-        vllm_plan = plan_with_group_size(plan, b.group_size)
+        vllm = vllm_plan(plan)
         print(f"one request of {args.tokens} tokens holds blocks per group {data['blocks_per_group']} "
               f"(= {sum(data['blocks_per_group'])} blocks, null blocks excluded)")
         print(f"  bytes: ours {_size(data['bytes_per_request'])}; vLLM's layout {_size(data['vllm_rule_bytes_per_request'])} "
-              f"(blocks {vllm_plan.blocks_per_group(args.tokens)}); {'unpooled' if mamba else 'uniform'} "
+              f"(block size {vllm.block_size}, blocks {vllm.blocks_per_group(args.tokens)}); {'unpooled' if mamba else 'uniform'} "
               f"{_size(data['uniform_bytes_per_request'])}")
     return 0
 

@@ -39,6 +39,9 @@ def add_arguments(p) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256, help="requests in the running batch at most")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step at most")
     p.add_argument("--no-enable-prefix-caching", action="store_true", help="no prefix caching")
+    p.add_argument("--mamba-checkpoint-interval", type=int, default=None,
+                   help="Mamba hybrids: also keep the state every N tokens for prefix hits (default: only "
+                        "at each step's last block end and where prompts diverge; 1: every block)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"], help="model dtype")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="where the workers run")
@@ -62,6 +65,7 @@ def run(args) -> int:
                       kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens,
                       enable_prefix_caching=not args.no_enable_prefix_caching, enforce_eager=args.enforce_eager,
+                      mamba_checkpoint_interval=args.mamba_checkpoint_interval,
                       dtype=args.dtype, device=args.device, ray_address=args.ray_address,
                       load_format=args.load_format)
     try:

@@ -21,8 +21,8 @@ def model(*kinds: tuple[str, int], window: int = 32, chunk: int = 64, max_len: i
 
 
 def plan_of(*kinds, block_size: int = 16, **kw) -> KVCachePlan:
-    group_size = kw.pop("group_size", None)
-    return make_plan(model(*kinds, **kw), block_size=block_size, group_size=group_size)
+    plan_kw = {k: kw.pop(k) for k in ("group_size", "state_pages", "mamba_checkpoint_interval") if k in kw}
+    return make_plan(model(*kinds, **kw), block_size=block_size, **plan_kw)
 
 
 def manager(plan: KVCachePlan, num_blocks: int = 100, caching: bool = True) -> KVCacheManager:

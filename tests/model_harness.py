@@ -8,7 +8,7 @@ from distengine.kv_cache.manager import KVCacheManager
 from distengine.kv_cache.model_config import parse_model_config
 from distengine.kv_cache.plan import make_plan
 from distengine.request import Request
-from workers.kv_cache import allocate_kv_cache
+from workers.kv_cache import allocate_kv_cache, mamba_group_ids
 from workers.parallel import TPGroup
 from workers.step_inputs import SeqStep, prepare_inputs
 
@@ -23,7 +23,7 @@ class Harness:
         self.plan = make_plan(parse_model_config(d, kv_cache_dtype=DTYPE_NAMES[dtype]), tp.world_size, block_size)
         self.model, self.device = model, torch.device(device)
         self.manager = KVCacheManager(self.plan, num_blocks)
-        allocate_kv_cache(self.plan, model.attention_layers(), num_blocks, dtype, self.device)
+        allocate_kv_cache(self.plan, model.cache_layers(), num_blocks, dtype, self.device)
         self.n = 0
 
     def step(self, req: Request, num_new: int, hit: int = 0, hit_blocks=None) -> torch.Tensor:
@@ -32,7 +32,7 @@ class Harness:
         req.num_computed_tokens += hit
         start = req.num_computed_tokens
         seq = SeqStep(req.all_token_ids[start:start + num_new], start, list(self.manager.get_block_ids(req.request_id)))
-        ids, pos, meta, idx = prepare_inputs([seq], self.plan.block_size, self.device)
+        ids, pos, meta, idx = prepare_inputs([seq], self.plan.block_size, self.device, mamba_group_ids(self.plan))
         with torch.no_grad():
             hidden = self.model(ids, pos, meta)
             logits = self.model.compute_logits(hidden)

@@ -64,3 +64,25 @@ def test_host_time_per_decode_step_runs():
     from launch.bench_host import measure
     parts = measure("llama-3-8b", batch=4, context=40, steps=3, max_model_len=64)
     assert set(parts) == {"schedule", "msgpack", "prepare", "update"} and all(v > 0 for v in parts.values())
+
+
+def test_mamba_hybrid_roofline_moves_each_state_twice(tmp_path):
+    """A Mamba hybrid's decode step moves the weights, the attention K/V it reads, and every Mamba
+    layer's state read and written back; `bench latency` runs on it (the `tiny-bamba` shape)."""
+    from distengine import LLM
+    from launch.bench_common import build_random_model, roofline_of
+    folder = str(tmp_path / "tb")
+    build_random_model(folder, "tiny-bamba", "cpu")
+    with LLM(folder, device="cpu", max_model_len=64) as llm:
+        rf = roofline_of(llm, bandwidth=1e12, matmul=1e12)
+        plan = llm.plan
+    mamba = [layer for layer in plan.layers if layer.kind == "mamba"]
+    attn = [layer for layer in plan.layers if layer.kind != "mamba"]
+    assert len(mamba) == 3 and len(attn) == 1
+    state = sum(layer.state_bytes(1, rf.dtype_bytes) for layer in mamba)
+    assert state > 0
+    assert rf.kv_bytes(40) == 2 * state + 40 * attn[0].bytes_per_token(1, rf.dtype_bytes)
+    assert rf.decode_step_s([40, 40]) == pytest.approx((rf.weight_bytes + 2 * rf.kv_bytes(40)) / 1e12)
+    assert main(["bench", "latency", "--model", folder, "--device", "cpu", "--batch-size", "2", "--input-len", "8",
+                 "--output-len", "4", "--num-iters", "1", "--num-iters-warmup", "0",
+                 "--output-json", str(tmp_path / "lat.json")]) == 0

@@ -35,6 +35,20 @@ def test_simulation_hits_the_shared_prompt_and_leaks_nothing():
         assert res.hit_tokens <= res.prompt_tokens
 
 
+def test_bamba_layout_hits_finer_than_the_528_token_rule(capsys):
+    """Same memory, same trace: Bamba-9B in blocks of 176 tokens (a state spans a block's 3 pages)
+    against vLLM's 528-token blocks with a state at every block end."""
+    assert main(["bench", "kvcache", "--layout", "bamba-9b", "--requests", "40", "--memory-gib", "20", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    ours, rule = out["bamba-9b"], out["vllm-layout:bamba-9b"]
+    assert (ours["block_size"], rule["block_size"]) == (176, 528)
+    assert abs(ours["pool_gib"] - 20) < 0.02 and abs(rule["pool_gib"] - 20) < 0.02
+    # The 1000-token system prompt: 528 tokens of it hit under the rule; 880 in 176-token blocks
+    # from the third sharer on (the second keeps the state where its prompt leaves the cache).
+    assert rule["hit_tokens"] >= 39 * 528 * 0.9
+    assert ours["hit_tokens"] >= 38 * 880 * 0.9 and ours["hit_tokens"] > rule["hit_tokens"]
+
+
 def test_small_pool_preempts_and_still_finishes():
     trace = make_trace(seed=2, num_requests=30)
     res = simulate(layout_plan("full"), 700, trace, "full", time_calls=False)

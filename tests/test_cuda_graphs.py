@@ -3,7 +3,8 @@ bit for bit; the engine with graphs gives the tokens of the engine without (gree
 sampling, penalties; batches padded to every captured size); no Triton kernel is compiled again
 after warm-up over a 300-token decode, with graphs and eagerly; the graphs' memory is counted
 before the KV cache is sized. With two GPUs: TP=2 on Ray, with its all-reduces inside the graphs,
-gives transformers' greedy tokens."""
+gives transformers' greedy tokens. Each on Gemma-3 and on a Mamba hybrid (Bamba: the state pages
+of a decode are found on the device, inside the graph)."""
 from __future__ import annotations
 
 import pytest
@@ -18,10 +19,10 @@ ARGS = dict(device="cuda", dtype="float32", block_size=4, max_model_len=256, max
             gpu_memory_utilization=0.3)
 
 
-@pytest.fixture(scope="module")
-def gemma3(tmp_path_factory):
-    hf, _ = build("gemma3")
-    folder = tmp_path_factory.mktemp("gemma3")
+@pytest.fixture(scope="module", params=["gemma3", "bamba"])
+def model(request, tmp_path_factory):
+    hf, _ = build(request.param)
+    folder = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(folder)
     return hf, str(folder)
 
@@ -40,22 +41,26 @@ def _params(n: int) -> list[SamplingParams]:
     return out
 
 
-def test_graph_replay_equals_the_eager_forward(gemma3):
-    _, folder = gemma3
+def test_graph_replay_equals_the_eager_forward(model):
+    _, folder = model
     with LLM(folder, **ARGS) as llm:
         runner = llm.executor.worker.runner
         assert runner.graphs is not None and runner.graphs.sizes == [1, 2, 4, 8]
         llm.generate(_prompts(5), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
-        # The fixed inputs still hold the last decode step (5 sequences in the graph of 8).
+        # The fixed inputs still hold the last decode step (5 sequences in the graph of 8). A
+        # Mamba layer updates its state in place: both runs start from the same pool.
+        pool = runner.kv_pool.clone()
         for size in (8, 4):
             graph = runner.graphs.replay(size).clone()
+            runner.kv_pool.copy_(pool)
             with torch.no_grad():
                 eager = runner._decode_forward(size)
+            runner.kv_pool.copy_(pool)
             assert torch.equal(graph, eager), size
 
 
-def test_graphs_give_the_tokens_of_eager(gemma3):
-    _, folder = gemma3
+def test_graphs_give_the_tokens_of_eager(model):
+    _, folder = model
     prompts, params = _prompts(7), _params(7)
     runs = {}
     for eager in (True, False):
@@ -69,8 +74,8 @@ def test_graphs_give_the_tokens_of_eager(gemma3):
 
 
 @pytest.mark.parametrize("eager", [False, True])
-def test_no_recompiles_after_warmup(gemma3, eager):
-    _, folder = gemma3
+def test_no_recompiles_after_warmup(model, eager):
+    _, folder = model
     with LLM(folder, **{**ARGS, "dtype": "bfloat16", "max_model_len": 512}, enforce_eager=eager) as llm:
         llm.generate(_prompts(2, seed=1), SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
                      use_tqdm=False)
@@ -82,16 +87,16 @@ def test_no_recompiles_after_warmup(gemma3, eager):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_tp2_on_ray_with_cuda_graphs_equals_transformers(gemma3):
-    hf, folder = gemma3
+def test_tp2_on_ray_with_cuda_graphs_equals_transformers(model):
+    hf, folder = model
     prompts = _prompts(4)
     with LLM(folder, tensor_parallel_size=2, **ARGS) as llm:
         assert llm.executor.plan_info["cuda_graphs"]
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
-    model = hf.to("cuda")
+    ref = hf.to("cuda")
     for p, o in zip(prompts, outs):
         ids = torch.tensor([p["prompt_token_ids"]], device="cuda")
         with torch.no_grad():
-            want = model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False,
+            want = ref.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False,
                                   attention_mask=torch.ones_like(ids))[0, ids.shape[1]:].tolist()
         assert o.outputs[0].token_ids == want

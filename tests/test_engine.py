@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from distengine import LLM, SamplingParams
-from tests.test_models import CONFIGS, build
+from tests.test_models import CONFIGS, HYBRIDS, build
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -64,6 +64,52 @@ def test_prefix_caching_preemption_and_chunking_change_nothing(qwen3):
             if "preemption" in what:
                 assert llm.stats().preemptions > 0, what
         assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base], what
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_hybrid_prefix_hits_preemption_and_chunking_give_transformers_tokens(tmp_path_factory, ray_cluster, name):
+    """Mamba hybrids: a request sharing a prefix with an earlier one restores the cached states
+    (num_cached_tokens > 0) and produces transformers' tokens; so do no prefix caching, a pool
+    small enough to preempt, a token budget small enough to chunk prompts, and TP=2."""
+    hf, folder = _folder(tmp_path_factory, name)
+    kw = dict(device="cpu", dtype="float32", max_model_len=256)
+
+    def run(llm, params=GREEDY):
+        # The first request alone: the others find its prefix cached.
+        first = llm.generate({"prompt_token_ids": prompts[0]}, params, use_tqdm=False)
+        return first + llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params, use_tqdm=False)
+
+    with LLM(folder, **kw) as llm:
+        plan = llm.plan
+        # The plan picks the block size. A state is kept at the last block end of the first
+        # prompt's prefill (2 blocks): inside the shared prefix of 2.5 blocks, so the others hit it.
+        shared = 5 * plan.block_size // 2
+        prompts = _prompts(5, shared=shared, seed=1)
+        # Requests that grow to max_model_len: in a pool that holds one, they preempt each other.
+        longer = SamplingParams(temperature=0.0, max_tokens=256 - max(map(len, prompts)), ignore_eos=True)
+        want = {n: [_hf_greedy(hf, p, n) for p in prompts] for n in (12, longer.max_tokens)}
+        outs = run(llm)
+        assert outs[0].num_cached_tokens == 0
+        assert all(o.num_cached_tokens == 2 * plan.block_size for o in outs[1:]), \
+            (plan.block_size, [o.num_cached_tokens for o in outs])
+        assert [o.outputs[0].token_ids for o in outs] == want[12]
+    # Admission falls back from a prefix hit (whose state page it would hold) to computing from
+    # scratch when the pool is that tight.
+    pool = sum(plan.blocks_per_group(256)) + 1
+    runs = {
+        "no prefix caching": (dict(enable_prefix_caching=False), GREEDY),
+        "tiny pool (preemption)": (dict(num_gpu_blocks_override=pool), longer),
+        "tiny token budget (chunked prefill)": (dict(max_num_batched_tokens=16, mamba_checkpoint_interval=1), GREEDY),
+        "TP=2, chunked": (dict(tensor_parallel_size=2, max_num_batched_tokens=24), GREEDY),
+    }
+    for what, (extra, params) in runs.items():
+        with LLM(folder, **{**kw, **extra}) as llm:
+            outs = run(llm, params)
+            if "preemption" in what:
+                assert llm.stats().preemptions > 0, what
+            if "chunked" in what:
+                assert outs[-1].num_cached_tokens > 0, what
+        assert [o.outputs[0].token_ids for o in outs] == want[params.max_tokens], what
 
 
 def test_bad_input_is_refused_cleanly(qwen3):

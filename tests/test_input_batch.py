@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from distengine.kv_cache.model_config import FULL, SLIDING
+from distengine.kv_cache.model_config import FULL, MAMBA, SLIDING, MambaShape
 from distengine.sampling_params import SamplingParams
 from distengine.scheduler import EngineRequest, Scheduler
 from distengine.step import NewRequest, ScheduledRequest, StepOutput
@@ -29,7 +29,8 @@ def _check(batch: InputBatch, step, plan, sched: Scheduler, truth: dict[str, lis
     seqs = [SeqStep(truth[s.req_id][s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens],
                     s.num_computed_tokens, [list(t) for t in sched.manager.get_block_ids(s.req_id)], s.sample)
             for s in plan.scheduled]
-    ids, pos, meta, idx = prepare_inputs(seqs, bs, torch.device("cpu"))
+    mamba_groups = [g.group_id for g in batch.plan.groups if g.spec.kind == MAMBA]
+    ids, pos, meta, idx = prepare_inputs(seqs, bs, torch.device("cpu"), mamba_groups)
     S = len(seqs)
     if step.graph_size is not None:
         size = step.graph_size
@@ -46,6 +47,17 @@ def _check(batch: InputBatch, step, plan, sched: Scheduler, truth: dict[str, lis
         assert got_meta.max_query_len == meta.max_query_len
         assert got_meta.max_seq_len == (batch.max_model_len if meta.max_query_len == 1 else meta.max_seq_len)
     assert torch.equal(got_meta.seq_lens[:S], meta.seq_lens)
+    if mamba_groups:
+        m, got = meta.mamba, got_meta.mamba
+        assert torch.equal(got.init_pages[:, :S], m.init_pages)
+        if step.graph_size is not None:  # padded entries read and write nothing
+            assert got.decode and (got.init_pages[:, S:] <= 0).all() and (got.write_pages[:, S:] <= 0).all()
+        assert got.decode == m.decode
+        if m.decode:
+            assert torch.equal(got.write_pages[:, :S], m.write_pages)
+        else:
+            for name in ("chunk_start", "chunk_seq", "chunk_pages"):
+                assert torch.equal(getattr(got, name), getattr(m, name)), name
     for g, first in enumerate(batch._spec_first):
         assert torch.equal(got_meta.slot_mappings[g][:len(ids)], meta.slot_mappings[g])
         for i, s in enumerate(plan.scheduled):
@@ -53,11 +65,20 @@ def _check(batch: InputBatch, step, plan, sched: Scheduler, truth: dict[str, lis
             assert torch.equal(got_meta.block_tables[g][i, lo:hi], meta.block_tables[g][i, lo:hi].to(torch.int32))
 
 
+PLANS = {
+    "sliding": lambda: plan_of((FULL, 2), (SLIDING, 4), window=8, block_size=4, group_size=2, max_len=256),
+    # Mamba states (checkpoints every 2 blocks) beside full attention.
+    "mamba": lambda: plan_of((FULL, 2), (MAMBA, 4), kv_heads=1, head_dim=4, block_size=4, group_size=2, max_len=256,
+                             mamba=MambaShape(1, 4, 2, 3), mamba_checkpoint_interval=16),
+}
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("seed", range(6))
-def test_persistent_batch_equals_plain_flattening(seed, overlap):
+@pytest.mark.parametrize("layout", sorted(PLANS))
+def test_persistent_batch_equals_plain_flattening(seed, overlap, layout):
     rng = random.Random(seed)
-    plan_ = plan_of((FULL, 2), (SLIDING, 4), window=8, block_size=4, group_size=2, max_len=256)
+    plan_ = PLANS[layout]()
     num_blocks = rng.choice([30, 45, 400])
     sched = Scheduler(plan_, num_blocks, max_num_seqs=6, max_num_batched_tokens=rng.choice([9, 24, 512]))
     batch = InputBatch(plan_, 6, VOCAB, torch.device("cpu"), debug_checks=True)

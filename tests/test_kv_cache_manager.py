@@ -221,16 +221,20 @@ def test_chunked_local_frees_blocks_before_the_chunk_and_hits():
     assert plan.blocks_per_group(37) == [10, 2]
 
 
-def test_mamba_state_pages_and_prefix_hit():
+def _mamba_plan(**kw):
     shape = MambaShape(1, 16, 4, 4)  # 3*16 + 16*4 = 112 elements = 224 bytes
-    plan = plan_of((FULL, 1), (MAMBA, 1), kv_heads=1, head_dim=4, block_size=4, group_size=1,
-                   mamba=shape)
     # attention: 2 * 1 * 4 * 2 = 16 bytes/token; block raised to 4 * cdiv(224, 64) = 16 tokens
+    return plan_of((FULL, 1), (MAMBA, 1), kv_heads=1, head_dim=4, block_size=4, group_size=1, mamba=shape, **kw)
+
+
+def test_mamba_state_pages_and_prefix_hit():
+    plan = _mamba_plan(mamba_checkpoint_interval=0)
     assert plan.block_size == 16 and plan.page_size_bytes == 256
     mgr = manager(plan, 100)
     a = Request("a", list(range(40)))
     new, _ = admit(mgr, a)
-    # Mamba group: entry 0 null, entry 1 keeps the state after token 32, entry 2 the running one.
+    # No periodic checkpoints: entry 0 null, entry 1 keeps the state at the step's last block
+    # end (token 32), entry 2 the running one.
     assert new[1][0] == 0 and all(new[1][1:]) and len(new[1]) == 3
     for _ in range(30):
         decode(mgr, a)
@@ -246,6 +250,38 @@ def test_mamba_state_pages_and_prefix_hit():
     b.num_computed_tokens = b.num_tokens
     mgr.free(b)
     assert mgr.num_free_blocks == 99
+
+
+def test_mamba_checkpoints_every_interval_and_where_prompts_diverge():
+    plan = _mamba_plan(mamba_checkpoint_interval=32)
+    mgr = manager(plan, 200)
+    system = list(range(100))
+    a = Request("a", system + [1] * 60)
+    new, hit = admit(mgr, a)
+    # Block ends 32, 64, 96, 128 are kept (every 32 tokens), and entry 9 holds the state at 160,
+    # the prompt's end; 16, 48, 80, 112 and 144 are not.
+    kept = [i for i, b in enumerate(new[1]) if b]
+    assert hit == 0 and kept == [1, 3, 5, 7, 9]
+    mgr.free(a)
+    # b shares 100 tokens with a: the attention blocks hit 96 tokens, the Mamba states 96 too.
+    b = Request("b", system + [2] * 60)
+    new, hit = admit(mgr, b)
+    assert hit == 96
+    mgr.free(b)
+    # With checkpoints every 64 tokens, the first prompt sharing the prefix hits 64 tokens only,
+    # but keeps the state at 96, where its prompt leaves the cached attention blocks: the next
+    # one hits 96.
+    mgr = manager(_mamba_plan(mamba_checkpoint_interval=64), 200)
+    for rid, suffix, want in (("a", 1, 0), ("b", 2, 64), ("c", 3, 96)):
+        r = Request(rid, system + [suffix] * 60)
+        new, hit = admit(mgr, r)
+        assert hit == want, rid
+        mgr.free(r)
+    assert mgr.num_free_blocks == 199
+    # Prefix caching off: no checkpoint pages at all.
+    mgr = manager(_mamba_plan(mamba_checkpoint_interval=16), 200, caching=False)
+    new, _ = admit(mgr, Request("a", system))
+    assert sum(1 for b in new[1] if b) == 1
 
 
 def test_cross_attention_allocated_once_never_cached():

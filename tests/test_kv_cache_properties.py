@@ -53,6 +53,7 @@ class Layout:
     head_dim: int
     mamba: MambaShape
     max_len_blocks: int
+    checkpoint_blocks: int | None = None  # Mamba checkpoint interval in blocks (None: the default)
 
 
 _TYPES = st.one_of(
@@ -70,7 +71,7 @@ def layouts(draw) -> Layout:
     counts = draw(st.lists(st.integers(1, 4), min_size=len(types), max_size=len(types)))
     shape = MambaShape(1, draw(st.integers(1, 4)), draw(st.integers(1, 4)), draw(st.integers(2, 4)))
     return Layout(draw(st.sampled_from([2, 4, 16])), tuple(types), tuple(counts), draw(st.integers(1, 2)),
-                  shape, draw(st.integers(4, 12)))
+                  shape, draw(st.integers(4, 12)), draw(st.sampled_from([None, 0, 1, 2, 3])))
 
 
 def _layers(layout: Layout, chunk_unit: int) -> tuple[LayerKV, ...]:
@@ -94,11 +95,13 @@ def build_plan(layout: Layout):
     bs = layout.block_size
     if MAMBA in kinds and kinds != {MAMBA}:
         # The attention block size is raised until a page holds a Mamba state: read it from a plan.
+        # (One page per state: the layout choice only changes the block size, not the manager.)
         probe = ModelKVConfig("probe", "test", (LayerKV("a", FULL, 1, layout.head_dim),
                                                 LayerKV("m", MAMBA, mamba=layout.mamba)), 1, 1 << 20)
-        bs = make_plan(probe, block_size=layout.block_size).block_size
+        bs = make_plan(probe, block_size=layout.block_size, state_pages=1).block_size
     model = ModelKVConfig("random-hybrid", "test", _layers(layout, bs), 1, bs * layout.max_len_blocks)
-    plan = make_plan(model, block_size=layout.block_size)
+    every = None if layout.checkpoint_blocks is None else layout.checkpoint_blocks * bs
+    plan = make_plan(model, block_size=layout.block_size, state_pages=1, mamba_checkpoint_interval=every)
     assert plan.block_size == bs
     return plan
 
@@ -245,10 +248,13 @@ class KVCacheMachine(RuleBasedStateMachine):
                     assert c.group == g and c.index == i and c.state_len == T, \
                         f"Mamba group {g}: entry {i} holds the state after {c.state_len} tokens, reading at {T}"
                     assert c.owner.all_token_ids[:T] == req.all_token_ids[:T]
-                writes = []
-                boundary = N // B * B
-                if T < boundary < N:
-                    writes.append((boundary // B - 1, boundary))
+                # The worker writes the state at every block end inside the step whose entry is
+                # not null (workers.mamba_metadata), and the state after the step's last token.
+                ends = range((T // B + 1) * B, N, B)
+                writes = [(e // B - 1, e) for e in ends if table[e // B - 1] is not null]
+                lean = self.mgr.coordinator.last_allocation_lean  # a short pool: no checkpoints
+                if self.caching and ends and N % B and not lean:  # the last block end before N is kept
+                    assert table[ends[-1] // B - 1] is not null, f"Mamba group {g}: no checkpoint at {ends[-1]}"
                 writes.append(((N - 1) // B, N))
                 for i, s in writes:
                     block = table[i]
@@ -497,21 +503,26 @@ def test_blocks_freed_by_a_later_group_count_for_an_earlier_one():
     assert mgr.num_free_blocks == 0
 
 
-def test_mamba_running_page_is_not_cached_as_a_boundary_state():
-    """A step from mid-block across two boundaries left the running page (state after T tokens)
-    to be registered under its block's hash as the state at the block's end."""
-    mgr = _manager((LayerKV("m", MAMBA, mamba=MambaShape(1, 1, 1, 2)),), 2, 20)
+def test_mamba_running_page_is_finalised_at_its_block_end():
+    """A step from mid-block across two block ends: the running page (state after T tokens) gets
+    the state at its block's end (the worker writes every non-null entry whose block ends inside
+    the step), so registering it under its block's hash is right. It once was registered while
+    still holding the state after T tokens."""
+    mgr = KVCacheManager(make_plan(ModelKVConfig("m", "test", (LayerKV("m", MAMBA, mamba=MambaShape(1, 1, 1, 2)),),
+                                                 1, 64), block_size=2, mamba_checkpoint_interval=0), 20)
     r = Request("r", [0, 1, 2, 3, 4, 5])
     assert mgr.allocate_slots(r, 1) is not None  # [0, 1): state(1) -> entry 0
     r.num_computed_tokens = 1
     page = mgr.get_block_ids("r")[0][0]
-    assert mgr.allocate_slots(r, 4) is not None  # [1, 5): state(4) -> entry 1, state(5) -> entry 2
+    # [1, 5): state(2) -> entry 0 (the running page), state(4) -> entry 1 (the step's last block
+    # end), state(5) -> entry 2.
+    appended = mgr.allocate_slots(r, 4)
+    assert appended is not None and all(appended[0])
     r.num_computed_tokens = 5
     mgr.free(r)
-    assert mgr.pool.blocks[page].block_hash is None
-    r2 = Request("r2", [0, 1, 2])
-    blocks, hit = mgr.get_computed_blocks(r2)
-    assert hit == 0, "a hit on the state after 2 tokens would restore the state after 1"
+    assert mgr.pool.blocks[page].block_hash == r.block_hashes[0]
+    blocks, hit = mgr.get_computed_blocks(Request("r2", [0, 1, 2, 3, 4, 9]))
+    assert hit == 4 and blocks[0][1].block_id == appended[0][0]
 
 
 # ---- hashing -----------------------------------------------------------------------------------

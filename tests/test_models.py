@@ -44,7 +44,46 @@ CONFIGS = {
     # larger init so that the greedy continuation does not collapse onto a few repeated tokens.
     "cohere2": ("Cohere2Config", "workers.models.cohere2:Cohere2ForCausalLM",
                 dict(num_hidden_layers=4, sliding_window=12, initializer_range=0.1, eos_token_id=None)),
+    # Mamba-2 hybrids. Bamba: one B/C group, as Bamba-9B (at TP=2 the gated norm's groups span
+    # both ranks), partial rotary; 8 heads of 16, 16 states.
+    "bamba": ("BambaConfig", "workers.models.bamba:BambaForCausalLM",
+              dict(num_hidden_layers=4, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
+                   mamba_n_groups=1, mamba_chunk_size=16, eos_token_id=None, initializer_range=0.1)),
+    # Nemotron-H: Mamba, attention (no RoPE), relu2 MLP-only layers; 2 B/C groups (split across
+    # 2 ranks), in/out_proj biases (use_bias).
+    "nemotron_h": ("NemotronHConfig", "workers.models.nemotron_h:NemotronHForCausalLM",
+                   dict(hybrid_override_pattern="M*-M-", mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16,
+                        n_groups=2, conv_kernel=4, chunk_size=16, use_bias=True, mlp_bias=True, eos_token_id=None,
+                        initializer_range=0.15, rescale_prenorm_residual=False)),
+    # Falcon-H1: attention and Mamba side by side in every layer; every muP multiplier away from 1;
+    # mamba_d_ssm (96) != expand * hidden; no gated norm (y * silu(z)); 2 B/C groups; both biases.
+    "falcon_h1": ("FalconH1Config", "workers.models.falcon_h1:FalconH1ForCausalLM",
+                  dict(num_hidden_layers=3, mamba_n_heads=8, mamba_d_head=12, mamba_d_ssm=96, mamba_n_groups=2,
+                       mamba_d_state=16, mamba_chunk_size=16, mamba_proj_bias=True, projectors_bias=True,
+                       attention_in_multiplier=0.8, key_multiplier=0.7, attention_out_multiplier=1.2,
+                       ssm_in_multiplier=1.3, ssm_out_multiplier=0.9, ssm_multipliers=[0.8, 1.2, 0.9, 1.1, 1.5],
+                       mlp_multipliers=[1.3, 0.8], embedding_multiplier=1.5, lm_head_multiplier=0.7,
+                       eos_token_id=None, initializer_range=0.2)),
+    # ...and with the gated norm after the gate (norm_before_gate), one B/C group (replicated at
+    # TP=2, the norm's group spanning both ranks), d_head "auto", tied embeddings.
+    "falcon_h1_norm": ("FalconH1Config", "workers.models.falcon_h1:FalconH1ForCausalLM",
+                       dict(num_hidden_layers=2, mamba_n_heads=8, mamba_d_ssm=None, mamba_n_groups=1,
+                            mamba_d_state=16, mamba_chunk_size=16, mamba_rms_norm=True, mamba_norm_before_gate=True,
+                            attention_in_multiplier=1.1, key_multiplier=0.6, attention_out_multiplier=0.8,
+                            ssm_in_multiplier=0.7, ssm_out_multiplier=1.4, ssm_multipliers=[1.2, 0.9, 1.1, 0.8, 0.6],
+                            mlp_multipliers=[0.8, 1.25], embedding_multiplier=0.8, lm_head_multiplier=1.3,
+                            tie_word_embeddings=True, eos_token_id=None, initializer_range=0.1)),
+    # Granite-4.0-H, dense (no routed experts): shared MLP, RoPE, one B/C group, Granite's
+    # embedding / residual / attention multipliers and logits scaling.
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "workers.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
+                         dict(num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "attention"],
+                              num_local_experts=0, shared_intermediate_size=96, position_embedding_type="rope",
+                              mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16,
+                              mamba_chunk_size=16, attention_bias=True, embedding_multiplier=3.0,
+                              residual_multiplier=0.6, attention_multiplier=0.1, logits_scaling=2.5,
+                              eos_token_id=None, initializer_range=0.2)),
 }
+HYBRIDS = ["bamba", "nemotron_h", "falcon_h1", "falcon_h1_norm", "granitemoehybrid"]
 
 
 def build(name: str, seed: int = 0, device: str = "cpu"):
@@ -82,7 +121,7 @@ def test_prefill_logits_and_greedy_match_transformers(name):
     assert h.greedy(prompt, 32) == want
 
 
-@pytest.mark.parametrize("name", ["mistral", "qwen3", "gemma2", "gemma3", "cohere2"])
+@pytest.mark.parametrize("name", ["mistral", "qwen3", "gemma2", "gemma3", "cohere2"] + HYBRIDS)
 def test_chunked_prefill_and_prefix_hit_equal_one_prefill(name):
     hf, ours = build(name, device=DEVICE)
     h = Harness(ours, hf.config, device=DEVICE)
@@ -108,3 +147,43 @@ def test_every_checkpoint_tensor_is_expected_with_its_shape(name):
             continue
         assert key in expected, key
         assert tuple(tensor.shape) == tuple(expected[key]), key
+
+
+def test_nemotron_h_published_names_load_the_same(tmp_path):
+    """Published Nemotron-H checkpoints: `backbone.` weight prefixes and a config.json with
+    `hybrid_override_pattern` (transformers 5 saves `model.` and `layers_block_type`)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from workers.models.nemotron_h import NemotronHForCausalLM
+    hf, ours = build("nemotron_h")
+    hf.config.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    pattern = hf.config.hybrid_override_pattern
+    cfg.pop("layers_block_type", None)
+    cfg.update(hybrid_override_pattern=pattern, num_hidden_layers=len(pattern))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    state = {("backbone." + k[len("model."):] if k.startswith("model.") else k): v.contiguous()
+             for k, v in hf.state_dict().items()}
+    assert any(k.startswith("backbone.layers.") for k in state)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    published = load_model(str(tmp_path), NemotronHForCausalLM, TPGroup(), "float32", "cpu")
+    prompt = torch.randint(0, 300, (20,), generator=torch.Generator().manual_seed(4)).tolist()
+    want, _ = Harness(ours, hf.config).prefill_logits(prompt)
+    got, _ = Harness(published, published.config).prefill_logits(prompt)
+    assert torch.equal(got, want)
+
+
+def test_mixture_of_experts_configs_are_refused_clearly():
+    from workers.models.granitemoehybrid import GraniteMoeHybridForCausalLM
+    from workers.models.nemotron_h import NemotronHForCausalLM
+    nemotron = transformers.NemotronHConfig(**COMMON, hybrid_override_pattern="M*E-", mamba_num_heads=8,
+                                            mamba_head_dim=16, ssm_state_size=16, n_groups=2)
+    granite = transformers.GraniteMoeHybridConfig(**COMMON, num_hidden_layers=2, layer_types=["mamba", "attention"],
+                                                  num_local_experts=4, mamba_n_heads=8, mamba_d_head=16,
+                                                  mamba_d_state=16)
+    for cls, config, note in [(NemotronHForCausalLM, nemotron, r"MoE layer.*\[2\]"),
+                              (GraniteMoeHybridForCausalLM, granite, "num_local_experts=4")]:
+        with pytest.raises(ValueError, match=f"mixture-of-experts layers are not supported yet.*{note}"):
+            cls(config, TPGroup(), torch.float32, torch.device("cpu"))

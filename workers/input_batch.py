@@ -27,7 +27,10 @@ import torch
 
 from distengine.kv_cache.plan import KVCachePlan
 from distengine.step import NewRequest, ScheduledRequest
+from kernels.mamba_ssd import SSD_MAX_CHUNK
+from workers.kv_cache import mamba_group_ids
 from workers.layers.attention import AttentionMetadata
+from workers.mamba_metadata import MambaMetadata, decode_metadata, plan_chunks, prefill_metadata, table_lookup
 from workers.sampler import RowParams, SamplingTensors, row_params
 
 _ALIGN = 4  # int32 elements per 16 bytes: every section starts aligned (Triton specialises pointer alignment)
@@ -167,6 +170,8 @@ class InputBatch:
         self._appends: list[tuple[np.ndarray, list[int]]] = []  # new rows' tables, for the next step
         self.host_tables = np.zeros((self.num_groups, R + 1, W), dtype=np.int32) if debug_checks else None
         self._spec_first = [g.spec.first_needed_block for g in plan.groups]
+        mamba = mamba_group_ids(plan)
+        self.mamba_groups = torch.tensor(mamba, dtype=torch.int64, device=device) if mamba else None
 
     # ---- rows ------------------------------------------------------------------------------
     @property
@@ -279,7 +284,7 @@ class InputBatch:
         st = self.staging
         new_rows = self._new
         self._new = []
-        bound = 3 * R4 + 8 * S + 2 * T + 64 + 2 * sum(len(v) for v in app_val) + 32 * len(new_rows) \
+        bound = 3 * R4 + 8 * S + 5 * T + 64 + 2 * sum(len(v) for v in app_val) + 32 * len(new_rows) \
             + sum(len(r.prompt_token_ids) + len(r.output_token_ids) for _, r, _ in new_rows) * 2
         st.begin(bound)
         fixed = st.put(np.zeros(3 * R4, dtype=np.int32))
@@ -297,6 +302,10 @@ class InputBatch:
                 ids[np.asarray(host_idx, dtype=np.int64)] = host_ids
             sec["ids"] = st.put(ids)
             sec["logits_idx"] = st.put(sample_idx)
+            if self.mamba_groups is not None and not decode:
+                for key, arr in zip(("m_start", "m_seq", "m_entry"),
+                                    plan_chunks(num_computed, qlens, self.block_size, SSD_MAX_CHUNK)):
+                    sec[key] = st.put(arr)
             if dev_idx:
                 sec["dev_idx"], sec["dev_rows"] = st.put(dev_idx), st.put(dev_rows)
         elif host_ids:
@@ -386,7 +395,7 @@ class InputBatch:
         slots = torch.where(blk > 0, blk * self.block_size + pos % self.block_size, -1)
         meta = AttentionMetadata(query_start_loc=self.arange[:size + 1], seq_lens=self.static[2, :size],
                                  max_query_len=1, max_seq_len=self.max_model_len, slot_mappings=slots,
-                                 block_tables=self.tables[:, rows])
+                                 block_tables=self.tables[:, rows], mamba=self._mamba(rows, pos, None))
         return ids, pos, meta
 
     def eager_inputs(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
@@ -413,8 +422,21 @@ class InputBatch:
         # of the key range, so eager and graph steps compute the same numbers.
         bound = self.max_model_len if step.max_query_len == 1 else step.max_seq_len
         meta = AttentionMetadata(query_start_loc=qsl, seq_lens=self.static[2, :S], max_query_len=step.max_query_len,
-                                 max_seq_len=bound, slot_mappings=slots, block_tables=self.tables[:, rows])
+                                 max_seq_len=bound, slot_mappings=slots, block_tables=self.tables[:, rows],
+                                 mamba=self._mamba(rows, num_computed, sec if step.max_query_len > 1 else None))
         return ids, pos, meta, st.view(sec["logits_idx"]).long()
+
+    def _mamba(self, rows: torch.Tensor, num_computed: torch.Tensor, sec: dict | None) -> MambaMetadata | None:
+        """The Mamba layers' pages: a decode's from the device state alone (CUDA graphs), a
+        prefill's through the chunks staged by `prepare`."""
+        if self.mamba_groups is None:
+            return None
+        lookup = table_lookup(self.tables, self.mamba_groups, rows)
+        if sec is None:
+            return decode_metadata(lookup, num_computed, self.block_size)
+        st = self.staging
+        return prefill_metadata(lookup, num_computed, self.block_size, st.view(sec["m_start"]), st.view(sec["m_seq"]),
+                                st.view(sec["m_entry"]))
 
     # ---- sampling --------------------------------------------------------------------------
     def sampling_tensors(self, step: StepInputs, generator: torch.Generator | None) -> SamplingTensors:
@@ -460,14 +482,20 @@ class InputBatch:
 
     # ---- the invariant ---------------------------------------------------------------------
     def check_tables(self, scheduled: list[ScheduledRequest]) -> None:
-        """Every entry a step reads is a real block: [first_needed_block(num_computed), end)."""
+        """Every entry a step reads is a real block: [first_needed_block(num_computed), end) (a
+        Mamba group: the entries holding the state read and the state written)."""
         bs = self.block_size
         for s in scheduled:
             row = self.row_of[s.req_id]
-            end = -(-(s.num_computed_tokens + s.num_new_tokens) // bs)
+            c, n = s.num_computed_tokens, s.num_new_tokens
+            end = -(-(c + n) // bs)
             for g, first in enumerate(self._spec_first):
-                lo = first(s.num_computed_tokens)
+                lo = first(c)
                 entries = self.host_tables[g, row, lo:end]
+                if self.plan.groups[g].spec.kind == "mamba":
+                    # A Mamba step reads entry (c-1)//B and writes (c+n-1)//B; the block ends in
+                    # between are checkpoints only where the manager kept them.
+                    entries = self.host_tables[g, row, [(c + n - 1) // bs] + ([(c - 1) // bs] if c else [])]
                 if end > self.num_entries[g, row] or (entries == 0).any():
                     raise AssertionError(f"request {s.req_id}, group {g}: the step reads entries [{lo}, {end}) "
                                          f"of its table, which has {int(self.num_entries[g, row])} with nulls at "

@@ -1,27 +1,49 @@
-"""The worker's KV cache, allocated exactly as the plan lays it out: one tensor per buffer (layer
-slot), each holding that slot's page of every block; a layer reads its slot through its group's
-block tables. Block 0 is the null block."""
+"""The worker's KV cache, allocated exactly as the plan lays it out: one buffer of blocks, each
+block the pages of the plan's layer slots side by side (`[num_blocks, slots, page_bytes]`, bytes).
+A layer reads its slot(s) through its group's block tables: an attention layer its page as
+`[num_blocks, 2, block_size, kv_heads, head_dim]` (strided: one page of each block), a Mamba
+layer the pages its state spans as conv and SSM state views. Block 0 is the null block."""
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from distengine.kv_cache.plan import KVCachePlan
-from workers.layers.attention import Attention
+from distengine.kv_cache.specs import MambaSpec
 
 
-def allocate_kv_cache(plan: KVCachePlan, attention: dict[str, Attention], num_blocks: int, dtype: torch.dtype,
-                      device: torch.device) -> list[torch.Tensor]:
-    """Buffers `[num_blocks, 2, block_size, kv_heads_per_rank, head_dim]`, bound to every layer."""
-    some = next(iter(attention.values()))
-    shape = (num_blocks, 2, plan.block_size, some.num_kv_heads, some.head_dim)
-    page = 2 * plan.block_size * some.num_kv_heads * some.head_dim * torch.empty((), dtype=dtype).element_size()
+def mamba_group_ids(plan: KVCachePlan) -> list[int]:
+    """The Mamba groups in plan order (row j of a step's MambaMetadata is the j-th)."""
+    return [g.group_id for g in plan.groups if isinstance(g.spec, MambaSpec)]
+
+
+def allocate_kv_cache(plan: KVCachePlan, layers: dict[str, nn.Module], num_blocks: int, dtype: torch.dtype,
+                      device: torch.device) -> torch.Tensor:
+    """The pool, bound to every layer of `layers` (plan layer name -> Attention or MambaMixer2)."""
+    missing = sorted(set(plan.layer_slots) - set(layers))
+    if missing:
+        raise ValueError(f"the plan has layers the model lacks: {', '.join(missing[:4])}")
+    pool = torch.zeros(num_blocks, plan.num_slots, plan.page_size_bytes, dtype=torch.uint8, device=device)
+    mamba = mamba_group_ids(plan)
+    esize = torch.empty((), dtype=dtype).element_size()
+    for name, (group_id, slot) in plan.layer_slots.items():
+        spec = plan.groups[group_id].spec
+        layer = layers[name]
+        if isinstance(spec, MambaSpec):
+            pages = pool[:, slot:slot + spec.pages].reshape(num_blocks, spec.pages * plan.page_size_bytes)
+            layer.bind_state(pages, mamba.index(group_id), dtype)
+        else:
+            layer.bind_kv_cache(_attention_view(pool, slot, plan, layer, dtype, esize), group_id)
+    for name, target in plan.shared_layers.items():
+        group_id, slot = plan.layer_slots[target]
+        layers[name].bind_kv_cache(_attention_view(pool, slot, plan, layers[name], dtype, esize), group_id)
+    return pool
+
+
+def _attention_view(pool: torch.Tensor, slot: int, plan: KVCachePlan, layer, dtype: torch.dtype,
+                    esize: int) -> torch.Tensor:
+    page = 2 * plan.block_size * layer.num_kv_heads * layer.head_dim * esize
     if page != plan.page_size_bytes:
         raise ValueError(f"the model's page ({page} B) differs from the plan's ({plan.page_size_bytes} B): "
                          f"plan and model disagree on KV heads, head size or dtype")
-    buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(plan.num_slots)]
-    for name, (group_id, slot) in plan.layer_slots.items():
-        attention[name].bind_kv_cache(buffers[slot], group_id)
-    for name, target in plan.shared_layers.items():
-        group_id, slot = plan.layer_slots[target]
-        attention[name].bind_kv_cache(buffers[slot], group_id)
-    return buffers
+    return pool[:, slot].view(dtype).view(pool.shape[0], 2, plan.block_size, layer.num_kv_heads, layer.head_dim)

@@ -17,7 +17,7 @@ from distengine.kv_cache.plan import KVCachePlan, make_plan
 from distengine.step import StepOutput, StepPlan
 from workers.cuda_graphs import DecodeGraphs
 from workers.input_batch import InputBatch, StepInputs
-from workers.kv_cache import allocate_kv_cache
+from workers.kv_cache import allocate_kv_cache, mamba_group_ids
 from workers.loader import get_model
 from workers.parallel import TPGroup
 from workers.sampler import SamplerOutput, SamplingTensors, sample
@@ -96,7 +96,8 @@ class ModelRunner:
         hf = self.model.config
         text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
         self.plan: KVCachePlan = make_plan(parse_model_config(text.to_dict(), kv_cache_dtype=DTYPE_NAMES[self.dtype]),
-                                           tp.world_size, config.block_size, config.max_model_len)
+                                           tp.world_size, config.block_size, config.max_model_len,
+                                           mamba_checkpoint_interval=config.mamba_checkpoint_interval)
         self.vocab_size = int(text.vocab_size)
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.batch = InputBatch(self.plan, config.max_num_seqs, self.vocab_size, self.device, config.debug_checks)
@@ -104,7 +105,7 @@ class ModelRunner:
         self.use_graphs = self.device.type == "cuda" and not config.enforce_eager
         self.graphs: DecodeGraphs | None = None
         self.outputs = _PinnedBuffers(self.device.type == "cuda")
-        self.kv_buffers: list[torch.Tensor] = []
+        self.kv_pool: torch.Tensor | None = None
         self.num_blocks = 0
         self.graph_memory_bytes = 0
 
@@ -168,8 +169,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.check_fits(num_blocks)
-        self.kv_buffers = allocate_kv_cache(self.plan, self.model.attention_layers(), num_blocks, self.dtype,
-                                            self.device)
+        self.kv_pool = allocate_kv_cache(self.plan, self.model.cache_layers(), num_blocks, self.dtype, self.device)
         self.num_blocks = num_blocks
         if self.use_graphs:
             self.batch.reset_static()
@@ -178,14 +178,13 @@ class ModelRunner:
 
     def _with_dummy_cache(self, fn):
         """Run `fn` on a throwaway two-block cache (profiling), then unbind it."""
-        layers = self.model.attention_layers()
-        saved = {name: (a.kv_cache, a.group_id) for name, a in layers.items()}
+        layers = self.model.cache_layers()
         allocate_kv_cache(self.plan, layers, 2, self.dtype, self.device)
         try:
             return fn()
         finally:
-            for name, a in layers.items():
-                a.kv_cache, a.group_id = saved[name]
+            for layer in layers.values():
+                layer.unbind()
 
     def profile_run(self) -> None:
         """A forward pass at the largest batch of tokens, then the LM head and the sampler at the
@@ -196,7 +195,7 @@ class ModelRunner:
             n, groups, bs = self.max_num_batched_tokens, len(self.plan.groups), self.plan.block_size
             lens = [min(self.plan.max_model_len, n - i) for i in range(0, n, self.plan.max_model_len)]
             seqs = [SeqStep([0] * m, 0, [[1] * (-(-m // bs))] * groups) for m in lens]
-            ids, pos, meta, _ = prepare_inputs(seqs, self.plan.block_size, self.device)
+            ids, pos, meta, _ = prepare_inputs(seqs, self.plan.block_size, self.device, mamba_group_ids(self.plan))
             with torch.no_grad():
                 hidden = self.model(ids, pos, meta)
                 r = self.config.max_num_seqs

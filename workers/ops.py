@@ -5,7 +5,12 @@ import torch
 
 from kernels.activation import gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref
 from kernels.kv_store import store_kv, store_kv_ref
+from kernels.gated_rmsnorm import gated_rms_norm, gated_rms_norm_ref
 from kernels.layernorm import rms_norm, rms_norm_ref
+from kernels.mamba_conv import (causal_conv1d_update, causal_conv1d_update_ref, causal_conv1d_varlen,
+                                causal_conv1d_varlen_ref)
+from kernels.mamba_ssd import ssd_scan_varlen, ssd_scan_varlen_ref
+from kernels.mamba_state_update import selective_state_update, selective_state_update_ref
 from kernels.paged_attention import paged_attention
 from kernels.paged_attention_ref import paged_attention_ref
 from kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
@@ -21,6 +26,11 @@ rotary_op = _pick(rotary_embedding, rotary_embedding_ref)
 store_kv_op = _pick(store_kv, store_kv_ref)
 paged_attention_op = _pick(paged_attention, paged_attention_ref)
 qk_norm_rope_op = _pick(qk_norm_rope, qk_norm_rope_ref)
+causal_conv1d_varlen_op = _pick(causal_conv1d_varlen, causal_conv1d_varlen_ref)
+causal_conv1d_update_op = _pick(causal_conv1d_update, causal_conv1d_update_ref)
+ssd_scan_varlen_op = _pick(ssd_scan_varlen, ssd_scan_varlen_ref)
+selective_state_update_op = _pick(selective_state_update, selective_state_update_ref)
+gated_rms_norm_op = _pick(gated_rms_norm, gated_rms_norm_ref)
 ACTIVATIONS = {
     "silu": _pick(silu_and_mul, silu_and_mul_ref),
     "gelu_pytorch_tanh": _pick(gelu_tanh_and_mul, gelu_tanh_and_mul_ref),
@@ -34,4 +44,6 @@ def act_and_mul(name: str):
     return ACTIVATIONS[name]
 
 
-__all__ = ["rms_norm_op", "rotary_op", "store_kv_op", "paged_attention_op", "qk_norm_rope_op", "act_and_mul", "torch"]
+__all__ = ["rms_norm_op", "rotary_op", "store_kv_op", "paged_attention_op", "qk_norm_rope_op", "act_and_mul",
+           "causal_conv1d_varlen_op", "causal_conv1d_update_op", "ssd_scan_varlen_op", "selective_state_update_op",
+           "gated_rms_norm_op", "torch"]

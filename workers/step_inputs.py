@@ -3,9 +3,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from kernels.mamba_ssd import SSD_MAX_CHUNK
 from workers.layers.attention import AttentionMetadata
+from workers.mamba_metadata import MambaMetadata, decode_metadata, plan_chunks, prefill_metadata
 
 
 @dataclass
@@ -19,10 +22,11 @@ class SeqStep:
     needs_logits: bool = True
 
 
-def prepare_inputs(seqs: list[SeqStep], block_size: int, device: torch.device):
+def prepare_inputs(seqs: list[SeqStep], block_size: int, device: torch.device, mamba_groups: list[int] = ()):
     """(input_ids, positions, AttentionMetadata, logits_indices) for a batch of sequences:
     prefills, prefix-continuing chunks and decodes together. Slot mappings are gathered from the
-    padded block tables in one tensor operation per group, not token by token."""
+    padded block tables in one tensor operation per group, not token by token. `mamba_groups`:
+    the plan's Mamba groups, whose state pages the metadata then carries."""
     lens_q = [len(s.token_ids) for s in seqs]
     starts = [0]
     for n in lens_q:
@@ -45,6 +49,25 @@ def prepare_inputs(seqs: list[SeqStep], block_size: int, device: torch.device):
     meta = AttentionMetadata(
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        max_query_len=max(lens_q), max_seq_len=max(seq_lens), slot_mappings=slots, block_tables=tables)
+        max_query_len=max(lens_q), max_seq_len=max(seq_lens), slot_mappings=slots, block_tables=tables,
+        mamba=_mamba(seqs, lens_q, [tables[g] for g in mamba_groups], block_size, device) if mamba_groups else None)
     return (torch.tensor(ids, dtype=torch.int64, device=device), pos.to(device), meta,
             torch.tensor(logits_idx, dtype=torch.int64, device=device))
+
+
+def _mamba(seqs: list[SeqStep], lens_q: list[int], tables: list[torch.Tensor], block_size: int,
+           device: torch.device) -> MambaMetadata:
+    width = max(t.shape[1] for t in tables)
+    stacked = torch.stack([torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in tables])
+
+    def lookup(s: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        e = e.long()
+        return torch.where(e >= 0, stacked[:, s.long(), e.clamp_min(0)], 0).to(torch.int32)
+
+    computed = np.asarray([s.num_computed for s in seqs], dtype=np.int64)
+    computed_dev = torch.from_numpy(computed).to(device)
+    if max(lens_q) == 1:
+        return decode_metadata(lookup, computed_dev, block_size)
+    start, seq, entry = (torch.from_numpy(a).to(device) for a in
+                         plan_chunks(computed, np.asarray(lens_q, dtype=np.int64), block_size, SSD_MAX_CHUNK))
+    return prefill_metadata(lookup, computed_dev, block_size, start, seq, entry)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from distengine.kv_cache.block_pool import BlockPool, KVCacheBlock
-from distengine.kv_cache.single_type_manager import (MANAGER_FOR_SPEC, FullAttentionManager,
+from distengine.kv_cache.single_type_manager import (MANAGER_FOR_SPEC, FullAttentionManager, MambaManager,
                                                      SingleTypeKVCacheManager)
 from distengine.kv_cache.specs import KVCacheSpec
 from distengine.request import Request
@@ -29,6 +29,12 @@ class KVCacheCoordinator:
         self.full_managers = [m for m in self.managers if isinstance(m, FullAttentionManager)]
         self.other_cached_managers = [m for m in self.managers
                                       if not isinstance(m, FullAttentionManager) and m.spec.cacheable]
+        # Mamba checkpoints where a prompt leaves the prefix cached in full-attention blocks.
+        self.mamba_managers = [m for m in self.managers if isinstance(m, MambaManager)]
+        self.last_allocation_lean = False  # the last allocation went without Mamba checkpoints
+        for m in self.mamba_managers:
+            if self.full_managers:
+                m.prefix_group = self.full_managers[0].group_ids[0]
         self.empty_blocks: KVCacheBlocks = tuple([] for _ in range(self.num_groups))
         # Returned when an allocation appends nothing: shared, never to be mutated.
         self.nothing_appended: tuple[list[int], ...] = tuple([] for _ in range(self.num_groups))
@@ -72,11 +78,29 @@ class KVCacheCoordinator:
             for m in managers:
                 m.cache_blocks(request.request_id, request.block_hashes, request.num_known_computed_tokens)
         hits = [[new_computed[g] for g in m.group_ids] if new_computed else None for m in managers]
-        need = 0
-        for m, sub in zip(managers, hits):
-            need += m.num_blocks_to_allocate(request, num_computed, num_tokens, sub)
-        if need > self.pool.free_queue.num_free_blocks:
-            return None
+        need = self._need(request, num_computed, num_tokens, hits)
+        lean = self.last_allocation_lean = False
+        if need > self.pool.free_queue.num_free_blocks and self.mamba_managers:
+            # Without Mamba checkpoints (they only serve later prefix hits).
+            lean = self.last_allocation_lean = True
+            for m in self.mamba_managers:
+                m.lean = True
+            need = self._need(request, num_computed, num_tokens, hits)
+        try:
+            if need > self.pool.free_queue.num_free_blocks:
+                return None
+            return self._allocate(request, num_computed, num_tokens, hits)
+        finally:
+            if lean:
+                for m in self.mamba_managers:
+                    m.lean = False
+
+    def _need(self, request: Request, num_computed: int, num_tokens: int, hits) -> int:
+        return sum(m.num_blocks_to_allocate(request, num_computed, num_tokens, sub)
+                   for m, sub in zip(self.managers, hits))
+
+    def _allocate(self, request: Request, num_computed: int, num_tokens: int, hits) -> tuple[list[int], ...]:
+        managers = self.managers
         appended: list[list[int]] | None = None
         # Every group takes its prefix-hit blocks and frees its skipped ones before any group
         # pops a new block: otherwise a pop may evict another group's free hit block, or find

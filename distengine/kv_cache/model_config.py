@@ -13,6 +13,9 @@ from pathlib import Path
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 FULL, SLIDING, CHUNKED, MAMBA, CROSS = "full_attention", "sliding_window", "chunked_local", "mamba", "cross_attention"
+# Decoder layers that keep nothing in the cache (Nemotron-H's MLP-only and MoE-only layers), and
+# Falcon-H1's layers, where attention and a Mamba mixer run side by side (both keep a cache).
+MLP, MOE, PARALLEL = "mlp", "moe", "attention+mamba"
 
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2,
                 "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "float8_e4m3fn": 1}
@@ -24,26 +27,66 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class MambaShape:
-    version: int  # 1 (Jamba) or 2 (Bamba, Granite-4, Nemotron-H)
+    version: int  # 1 (Jamba) or 2 (Bamba, Granite-4, Nemotron-H, Falcon-H1)
     intermediate: int
     d_state: int
     d_conv: int
     n_heads: int = 0  # Mamba2
     d_head: int = 0  # Mamba2
     n_groups: int = 1  # Mamba2
+    ssm_dtype_bytes: int = 0  # the SSM state's element size when it differs from the cache's (0: the same)
 
     def state_elements(self, tp: int) -> int:
         """Conv + SSM state elements of one layer on one of `tp` ranks."""
+        conv, ssm = self.state_shapes(tp)
+        return conv[0] * conv[1] + ssm[0] * ssm[1] * ssm[2]
+
+    def state_shapes(self, tp: int) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        """(conv state [d_conv - 1, conv channels], SSM state [heads, head dim, d_state]) on one rank;
+        Mamba1 as one head of `intermediate` channels."""
         if self.version == 1:
             if self.intermediate % tp:
                 raise ConfigError(f"Mamba intermediate size {self.intermediate} is not divisible by tp={tp}")
             inner = self.intermediate // tp
-            return (self.d_conv - 1) * inner + inner * self.d_state
+            return (self.d_conv - 1, inner), (1, inner, self.d_state)
         if self.n_heads % tp:
             raise ConfigError(f"Mamba2 heads ({self.n_heads}) are not divisible by tp={tp}")
-        groups = _heads_per_rank(self.n_groups, tp, "Mamba2 groups")
+        groups = mamba_groups_per_rank(self.n_groups, self.n_heads, tp)
         conv_dim = self.intermediate // tp + 2 * groups * self.d_state
-        return (self.d_conv - 1) * conv_dim + (self.n_heads // tp) * self.d_head * self.d_state
+        return (self.d_conv - 1, conv_dim), (self.n_heads // tp, self.d_head, self.d_state)
+
+    def layout(self, tp: int, dtype_bytes: int) -> "StateLayout":
+        """Where the conv and SSM states sit in a layer's page(s): conv first, then the SSM state
+        at the next 16-byte boundary (aligned vector loads)."""
+        conv, ssm = self.state_shapes(tp)
+        ssm_bytes = self.ssm_dtype_bytes or dtype_bytes
+        conv_nbytes = conv[0] * conv[1] * dtype_bytes
+        ssm_offset = -(-conv_nbytes // 16) * 16
+        return StateLayout(conv, ssm, dtype_bytes, ssm_bytes, ssm_offset,
+                           ssm_offset + ssm[0] * ssm[1] * ssm[2] * ssm_bytes)
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """One Mamba layer's state on one rank, as bytes of its page(s)."""
+
+    conv_shape: tuple[int, int]
+    ssm_shape: tuple[int, int, int]
+    conv_dtype_bytes: int
+    ssm_dtype_bytes: int
+    ssm_offset: int
+    nbytes: int
+
+
+def mamba_groups_per_rank(n_groups: int, n_heads: int, tp: int) -> int:
+    """B/C groups on one rank: split with the heads when tp divides them, else (one group, or
+    tp a multiple of the groups) each rank keeps the group its heads read."""
+    if n_groups % tp == 0:
+        return n_groups // tp
+    if tp % n_groups == 0 and n_heads % tp == 0:
+        return 1
+    raise ConfigError(f"{n_groups} Mamba2 groups cannot be sharded across tp={tp} ranks "
+                      f"(tp must divide the groups or be a multiple of them)")
 
 
 @dataclass(frozen=True)
@@ -62,7 +105,7 @@ class LayerKV:
 
     def state_bytes(self, tp: int, dtype_bytes: int) -> int:
         assert self.mamba is not None
-        return self.mamba.state_elements(tp) * dtype_bytes
+        return self.mamba.layout(tp, dtype_bytes).nbytes
 
 
 def _heads_per_rank(n: int, tp: int, what: str) -> int:
@@ -131,7 +174,7 @@ def parse_model_config(cfg: dict, name: str = "model", kv_cache_dtype: str = "au
     mt = text.get("model_type") or cfg.get("model_type") or ""
     text = {**_MODEL_TYPE_DEFAULTS.get(mt, {}), **{k: v for k, v in text.items() if v is not None}}
     get = lambda k, d=None: text.get(k, cfg.get(k, d))  # noqa: E731
-    num_layers = _need(text, "num_hidden_layers", "n_layer", "num_layers", what="number of layers")
+    num_layers = _num_layers(text)
     heads = get("num_attention_heads")
     kv_heads = get("num_key_value_heads") or heads
     hidden = get("hidden_size")
@@ -148,8 +191,8 @@ def parse_model_config(cfg: dict, name: str = "model", kv_cache_dtype: str = "au
         raise ConfigError("config lacks max_position_embeddings: give --max-model-len")
 
     kinds = _layer_kinds(text, cfg, int(num_layers))
-    mamba = _mamba_shape(text) if MAMBA in kinds else None
-    if any(k != MAMBA for k in kinds):
+    mamba = _mamba_shape(text, dtype) if MAMBA in kinds or PARALLEL in kinds else None
+    if any(k in (FULL, SLIDING, CHUNKED, CROSS, PARALLEL) for k in kinds):
         if not heads:
             raise ConfigError("config lacks num_attention_heads")
         if not head_dim:
@@ -162,35 +205,81 @@ def parse_model_config(cfg: dict, name: str = "model", kv_cache_dtype: str = "au
 
     names = [f"model.layers.{i}" for i in range(num_layers)]
     shared = _kv_sharing(text, kinds, names)
-    layers = tuple(
-        LayerKV(name=names[i], kind=k,
-                num_kv_heads=int(kv_heads) if k != MAMBA else 0,
-                head_dim=int(head_dim) if k != MAMBA else 0,
-                window=int(window) if k == SLIDING else 0,
-                chunk=int(chunk) if k == CHUNKED else 0,
-                mamba=mamba if k == MAMBA else None,
-                kv_sharing_target=shared.get(i))
-        for i, k in enumerate(kinds))
-    return ModelKVConfig(name=name, architecture=arch, layers=layers, dtype_bytes=_DTYPE_BYTES[dtype],
+
+    def attention(i: int, kind: str) -> LayerKV:
+        return LayerKV(name=names[i], kind=kind, num_kv_heads=int(kv_heads), head_dim=int(head_dim),
+                       window=int(window) if kind == SLIDING else 0, chunk=int(chunk) if kind == CHUNKED else 0,
+                       kv_sharing_target=shared.get(i))
+
+    layers: list[LayerKV] = []
+    for i, k in enumerate(kinds):
+        if k == MAMBA:
+            layers.append(LayerKV(name=names[i], kind=MAMBA, mamba=mamba))
+        elif k == PARALLEL:  # both keep a cache: the attention under the layer's name
+            layers += [attention(i, FULL), LayerKV(name=mamba_layer_name(i, k), kind=MAMBA, mamba=mamba)]
+        elif k not in (MLP, MOE):
+            layers.append(attention(i, k))
+    return ModelKVConfig(name=name, architecture=arch, layers=tuple(layers), dtype_bytes=_DTYPE_BYTES[dtype],
                          max_model_len=int(max_len))
+
+
+def mamba_layer_name(i: int, kind: str) -> str:
+    """The cache name of decoder layer i's Mamba mixer."""
+    return f"model.layers.{i}.mamba" if kind == PARALLEL else f"model.layers.{i}"
+
+
+def decoder_layer_kinds(cfg: dict) -> list[str]:
+    """Per decoder layer: its attention type, MAMBA, PARALLEL (attention and Mamba side by side),
+    MLP or MOE (no cache). The models build their layers from this, the plan its cache."""
+    text = _text_with_defaults(cfg)
+    return _layer_kinds(text, cfg, _num_layers(text))
+
+
+def _num_layers(text: dict) -> int:
+    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+        if text.get(key) is not None:
+            return int(text[key])
+    # transformers 5 derives Nemotron-H's from its layer list and does not save it.
+    for key in ("hybrid_override_pattern", "layers_block_type", "layer_types"):
+        if text.get(key):
+            return len(text[key])
+    raise ConfigError("config lacks num_hidden_layers (number of layers)")
 
 
 _LAYER_TYPE_NAMES = {
     "full_attention": FULL, "attention": FULL, "global": FULL,
     "sliding_attention": SLIDING, "sliding_window": SLIDING, "local": SLIDING,
     "chunked_attention": CHUNKED,
-    "mamba": MAMBA, "mamba2": MAMBA,
+    "mamba": MAMBA, "mamba2": MAMBA, "linear_attention": MAMBA,
     "cross_attention": CROSS,
+    "mlp": MLP, "moe": MOE, "hybrid": PARALLEL,
 }
+# Nemotron-H's hybrid_override_pattern, one character per layer.
+_PATTERN_KINDS = {"M": MAMBA, "*": FULL, "-": MLP, "E": MOE}
 
 
 def _layer_kinds(text: dict, cfg: dict, n: int) -> list[str]:
     mt = text.get("model_type") or cfg.get("model_type") or ""
-    if text.get("layer_types"):
-        types = text["layer_types"]
+    if text.get("hybrid_override_pattern"):  # Nemotron-H (published config.json files)
+        pattern = text["hybrid_override_pattern"]
+        if len(pattern) != n:
+            raise ConfigError(f"hybrid_override_pattern has {len(pattern)} layers, num_hidden_layers is {n}")
+        unknown = sorted(set(pattern) - set(_PATTERN_KINDS))
+        if unknown:
+            raise ConfigError(f"hybrid_override_pattern has unknown layer code(s) {', '.join(unknown)} "
+                              f"(known: M Mamba, * attention, - MLP, E MoE)")
+        return [_PATTERN_KINDS[c] for c in pattern]
+    if mt == "falcon_h1":  # every layer runs attention and a Mamba mixer side by side
+        return [PARALLEL] * n
+    key = "layer_types" if text.get("layer_types") else "layers_block_type"
+    if text.get(key):  # (transformers 5 writes Nemotron-H's as layers_block_type)
+        types = text[key]
         if len(types) != n:
-            raise ConfigError(f"layer_types has {len(types)} entries for {n} layers")
+            raise ConfigError(f"{key} has {len(types)} entries for {n} layers")
         unknown = sorted({t for t in types if t not in _LAYER_TYPE_NAMES})
+        if "linear_attention" in types and not (text.get("mamba_d_state") or text.get("ssm_state_size")):
+            # transformers names Mamba layers so, but also Qwen3-Next's Gated DeltaNet layers.
+            unknown.append("linear_attention (without Mamba fields: not a Mamba layer)")
         if unknown:
             raise ConfigError(f"unsupported layer type(s) {', '.join(unknown)} "
                               f"(supported: {', '.join(sorted(_LAYER_TYPE_NAMES))})")
@@ -201,8 +290,6 @@ def _layer_kinds(text: dict, cfg: dict, n: int) -> list[str]:
     if text.get("attn_layer_period") is not None:  # Jamba
         period, offset = text["attn_layer_period"], text.get("attn_layer_offset", 0)
         return [FULL if i % period == offset else MAMBA for i in range(n)]
-    if text.get("hybrid_override_pattern"):  # Nemotron-H: M = Mamba, * = attention, - = MLP only
-        raise ConfigError("hybrid_override_pattern (Nemotron-H) layouts are not supported yet")
     if text.get("cross_attention_layers") is not None:  # Mllama
         idx = set(text["cross_attention_layers"])
         return [CROSS if i in idx else FULL for i in range(n)]
@@ -232,16 +319,23 @@ def _layer_kinds(text: dict, cfg: dict, n: int) -> list[str]:
     return [FULL] * n
 
 
-def _mamba_shape(text: dict) -> MambaShape:
+def _mamba_shape(text: dict, cache_dtype: str) -> MambaShape:
+    """Bamba / Granite-4 / Falcon-H1 (mamba_*), Nemotron-H (ssm_state_size, conv_kernel,
+    mamba_num_heads...) and Jamba (Mamba1) spell the same fields differently."""
     hidden = _need(text, "hidden_size")
-    expand = text.get("mamba_expand", 2)
+    expand = text.get("mamba_expand", text.get("expand", 2))
     d_state = _need(text, "mamba_d_state", "ssm_state_size", what="Mamba state size")
     d_conv = _need(text, "mamba_d_conv", "conv_kernel", what="Mamba conv width")
-    if text.get("mamba_n_heads") or text.get("mamba_num_heads"):
-        n_heads = text.get("mamba_n_heads") or text.get("mamba_num_heads")
+    ssm_dtype = text.get("mamba_ssm_cache_dtype")
+    ssm_bytes = _DTYPE_BYTES.get(ssm_dtype, 0) if ssm_dtype not in (None, "auto", cache_dtype) else 0
+    n_heads = text.get("mamba_n_heads") or text.get("mamba_num_heads")
+    if n_heads:
         d_head = _need(text, "mamba_d_head", "mamba_head_dim", what="Mamba2 head size")
-        return MambaShape(2, int(n_heads * d_head), int(d_state), int(d_conv), int(n_heads), int(d_head),
-                          int(text.get("mamba_n_groups", 1)))
+        if d_head == "auto":
+            d_head = (text.get("mamba_d_ssm") or int(expand * hidden)) // n_heads
+        groups = text.get("mamba_n_groups", text.get("n_groups", 1))
+        return MambaShape(2, int(n_heads * d_head), int(d_state), int(d_conv), int(n_heads), int(d_head), int(groups),
+                          ssm_bytes)
     return MambaShape(1, int(expand * hidden), int(d_state), int(d_conv))
 
 

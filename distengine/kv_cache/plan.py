@@ -1,9 +1,12 @@
 """The KV cache plan: block size, KV cache groups and the shared buffer layout.
 
 Layers are grouped by spec (one attention type per group) into groups of the same number of
-layer slots m; the last group of a type is padded. For n groups of m slots the cache is m
-buffers, buffer j holding slot j of every group; a block id addresses the same page offset in all
-m buffers, so one block costs m pages. The workers allocate exactly this.
+layer slots m; the last group of a type is padded. The cache is one buffer of blocks, each block
+m pages side by side (`[num_blocks, m, page]`): block id b of a group gives page j of block b to
+the group's layer in slot j, so one block costs m pages. An attention layer's page holds
+`block_size` tokens of its K/V; a Mamba layer's state spans `pages` consecutive slots of a block,
+so the block size (the prefix-hit granularity) need not grow until one page holds a whole state.
+The workers allocate exactly this.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ _KIND_ORDER = {FULL: 0, SLIDING: 1, CHUNKED: 2, MAMBA: 3, CROSS: 4}
 class KVCacheGroup:
     group_id: int
     spec: KVCacheSpec
-    layers: tuple[str | None, ...]  # one per slot; None is a padding slot
+    layers: tuple[str | None, ...]  # one per slot (a Mamba layer in each slot its state spans); None: padding
 
     @property
     def padding(self) -> int:
@@ -46,10 +49,10 @@ class KVCachePlan:
     model: str
     tp_size: int
     block_size: int
-    page_size_bytes: int  # one block in one buffer
-    num_slots: int  # layers per group = number of buffers
+    page_size_bytes: int  # one page: one layer slot of one block
+    num_slots: int  # pages per block (layer slots per group)
     groups: list[KVCacheGroup]
-    layer_slots: dict[str, tuple[int, int]]  # layer -> (group id, slot = buffer index)
+    layer_slots: dict[str, tuple[int, int]]  # layer -> (group id, first slot)
     shared_layers: dict[str, str]  # layer -> layer whose K/V it reads
     max_model_len: int
     target_len: int
@@ -58,6 +61,8 @@ class KVCachePlan:
     requested_block_size: int  # the block size asked for (raised when Mamba layers need it)
     layers: tuple[LayerKV, ...] = field(repr=False, default=())
     dtype_bytes: int = 2
+    state_pages: int = 1  # pages one Mamba state spans
+    mamba_checkpoint_interval: int | None = None  # as asked (None: the default)
 
     @property
     def block_bytes(self) -> int:
@@ -93,6 +98,7 @@ class KVCachePlan:
             "model": self.model, "tp_size": self.tp_size, "block_size": self.block_size,
             "page_size_bytes": self.page_size_bytes, "num_buffers": self.num_slots,
             "block_bytes": self.block_bytes, "max_model_len": self.max_model_len,
+            "state_pages": self.state_pages,
             "groups": [{"group_id": g.group_id, "type": g.spec.kind, "spec": g.spec.describe(),
                         "layers": list(g.layers), "padding": g.padding} for g in self.groups],
             "shared_layers": self.shared_layers,
@@ -111,8 +117,7 @@ class KVCachePlan:
             out["tokens"] = tokens
             out["blocks_per_group"] = self.blocks_per_group(tokens)
             out["bytes_per_request"] = self.bytes_per_request(tokens)
-            out["vllm_rule_bytes_per_request"] = plan_with_group_size(self, self.baseline.group_size) \
-                .bytes_per_request(tokens)
+            out["vllm_rule_bytes_per_request"] = vllm_plan(self).bytes_per_request(tokens)
             out["uniform_bytes_per_request"] = self.uniform_bytes_per_request(tokens)
         return out
 
@@ -132,15 +137,8 @@ def _attention_spec(layer: LayerKV, block_size: int, bpt: int) -> KVCacheSpec:
     raise ConfigError(f"{layer.name}: unknown layer kind {layer.kind}")
 
 
-def layer_specs(model: ModelKVConfig, tp_size: int = 1, block_size: int = 16) -> dict[str, KVCacheSpec]:
-    """One spec per layer that owns KV memory, with a single page size across all of them.
-
-    Attention layers must keep the same bytes per token. Mamba states are much larger than an
-    attention page: the attention block size is raised, in multiples of `block_size`, until
-    its page holds a state, and the state page is padded to the attention page.
-    """
-    if tp_size < 1 or block_size < 1:
-        raise ConfigError(f"tp size and block size must be >= 1 (got {tp_size}, {block_size})")
+def _sizes(model: ModelKVConfig, tp_size: int) -> tuple[list[LayerKV], list[LayerKV], int, int]:
+    """(attention layers, Mamba layers, attention bytes per token, Mamba state bytes)."""
     own = [layer for layer in model.layers if not layer.kv_sharing_target]
     attn = [layer for layer in own if layer.kind != MAMBA]
     mamba = [layer for layer in own if layer.kind == MAMBA]
@@ -151,15 +149,42 @@ def layer_specs(model: ModelKVConfig, tp_size: int = 1, block_size: int = 16) ->
     states = sorted({layer.state_bytes(tp_size, model.dtype_bytes) for layer in mamba})
     if len(states) > 1:
         raise ConfigError(f"Mamba layers keep different state sizes ({states})")
+    return attn, mamba, (bpts or [0])[0], (states or [0])[0]
+
+
+def layer_specs(model: ModelKVConfig, tp_size: int = 1, block_size: int = 16, state_pages: int = 1,
+                checkpoint_interval: int | None = None) -> dict[str, KVCacheSpec]:
+    """One spec per layer that owns KV memory, with a single page size across all of them.
+
+    Attention layers must keep the same bytes per token. A Mamba state is much larger than an
+    attention page: the block size is raised, in multiples of `block_size`, until `state_pages`
+    pages hold a state (vLLM's rule is one page). Besides the checkpoints the manager always
+    keeps (each step's last block end, where prompts diverge), a Mamba layer's state is kept
+    every `checkpoint_interval` tokens, rounded up to whole blocks (default 0: never; 1: every
+    block, vLLM's rule). On a shared-prefix trace periodic checkpoints cost more hits than they
+    give: they crowd the cache (`distengine bench kvcache --layout bamba-9b`).
+    """
+    if tp_size < 1 or block_size < 1 or state_pages < 1:
+        raise ConfigError(f"tp size, block size and state pages must be >= 1 "
+                          f"(got {tp_size}, {block_size}, {state_pages})")
+    attn, mamba, bpt, state = _sizes(model, tp_size)
     specs: dict[str, KVCacheSpec] = {}
     bs = block_size
     if attn and mamba:
-        bs = block_size * cdiv(states[0], block_size * bpts[0])
-    page = bs * bpts[0] if attn else states[0]
+        bs = block_size * cdiv(state, state_pages * block_size * bpt)
+    page = bs * bpt if attn else state
     for layer in attn:
-        specs[layer.name] = _attention_spec(layer, bs, bpts[0])
-    for layer in mamba:
-        specs[layer.name] = MambaSpec(bs, 0, state_bytes=states[0], page_bytes=page)
+        specs[layer.name] = _attention_spec(layer, bs, bpt)
+    if mamba:
+        pages = cdiv(state, page)
+        if checkpoint_interval is not None and checkpoint_interval < 0:
+            raise ConfigError(f"mamba_checkpoint_interval must be >= 0 tokens (0: checkpoints only where a step "
+                              f"ends or prompts diverge), got {checkpoint_interval}")
+        # Rounded up to whole blocks: a state is kept at a block's end.
+        interval = cdiv(checkpoint_interval or 0, bs) * bs
+        spec = MambaSpec(bs, 0, state_bytes=state, page_bytes=page, pages=pages, checkpoint_interval=interval)
+        for layer in mamba:
+            specs[layer.name] = spec
     return specs
 
 
@@ -170,11 +195,24 @@ def vllm_group_size(counts: list[int]) -> int:
     return hi if hi < 1.5 * lo else lo
 
 
+def _per_group(spec: KVCacheSpec, g: int) -> int:
+    """Layers of this spec one group of g slots holds."""
+    return g // getattr(spec, "pages", 1)
+
+
 def _evaluate(counts: dict[KVCacheSpec, int], g: int, target_len: int, rule: str) -> GroupSizeChoice:
-    groups = sum(cdiv(c, g) for c in counts.values())
-    pad = {s: cdiv(c, g) * g - c for s, c in counts.items()}
+    if any(_per_group(s, g) < 1 for s in counts):
+        raise ConfigError(f"a group of {g} slots cannot hold a Mamba state of "
+                          f"{max(getattr(s, 'pages', 1) for s in counts)} pages")
+    groups = {s: cdiv(c, _per_group(s, g)) for s, c in counts.items()}
+    pad = {s: groups[s] * g - c * getattr(s, "pages", 1) for s, c in counts.items()}
     waste = sum(p * s.blocks_held(target_len) for s, p in pad.items())
-    return GroupSizeChoice(g, groups, sum(pad.values()), waste, rule)
+    return GroupSizeChoice(g, sum(groups.values()), sum(pad.values()), waste, rule)
+
+
+def _request_pages(counts: dict[KVCacheSpec, int], g: int, target_len: int) -> int:
+    """Pages one request of target_len tokens holds with groups of g slots."""
+    return sum(cdiv(c, _per_group(s, g)) * s.blocks_held(target_len) * g for s, c in counts.items())
 
 
 def choose_group_size(counts: dict[KVCacheSpec, int], target_len: int,
@@ -196,47 +234,120 @@ def choose_group_size(counts: dict[KVCacheSpec, int], target_len: int,
                            f"fewest padding pages at {target_len} tokens, at most {max_num_groups} groups")
 
 
+# Layouts within this fraction of the least memory count as equally small: the finer block wins.
+_HYBRID_TOLERANCE = 0.005
+
+
+def choose_hybrid_layout(model: ModelKVConfig, tp_size: int, block_size: int, target_len: int,
+                         max_num_groups: int, checkpoint_interval: int | None,
+                         group_size: int | None = None) -> tuple[int, GroupSizeChoice]:
+    """(state pages, group size) of an attention + Mamba model: the finest block size among the
+    layouts that hold one request of `target_len` tokens in the least memory.
+
+    A state spanning k pages lets the block be k times smaller (finer prefix hits), and needs
+    groups of at least k slots; more slots than the attention layers of a type fill costs
+    padding. Every (k, slots) pair is tried; `max_num_groups` bounds the attention groups (a
+    Mamba layer whose state fills a block is a group of its own).
+    """
+    attn, mamba, bpt, state = _sizes(model, tp_size)
+    top = max(len(attn), len(mamba))
+    options = []
+    for k in range(1, cdiv(state, block_size * bpt) + 1):
+        try:
+            specs = layer_specs(model, tp_size, block_size, k, checkpoint_interval)
+        except ConfigError:
+            continue  # a chunk size this block size does not divide
+        counts = Counter(specs.values())
+        pages = next(s.pages for s in counts if isinstance(s, MambaSpec))
+        if k > 1 and pages < k:
+            continue  # the same block size as a smaller k
+        bs = next(iter(specs.values())).block_size
+        sizes = [group_size] if group_size is not None else range(pages, max(top, pages) + 1)
+        for g in sizes:
+            if g < pages:
+                continue
+            c = _evaluate(counts, g, target_len, "")
+            attn_groups = sum(cdiv(n, g) for s, n in counts.items() if not isinstance(s, MambaSpec))
+            if group_size is None and attn_groups > max_num_groups:
+                continue
+            options.append((_request_pages(counts, g, target_len) * bs * bpt, bs, c.num_groups, k, c))
+    if not options:
+        raise ConfigError(f"no layout of this model's attention and Mamba layers fits "
+                          f"{'group size ' + str(group_size) if group_size else f'{max_num_groups} groups'}")
+    least = min(o[0] for o in options)
+    _, bs, _, k, c = min((o for o in options if o[0] <= least * (1 + _HYBRID_TOLERANCE)), key=lambda o: o[1:3])
+    rule = ("given" if group_size is not None else
+            f"finest block among the layouts holding {target_len} tokens in the least memory")
+    return k, GroupSizeChoice(c.group_size, c.num_groups, c.padding_slots, c.waste_pages, rule)
+
+
 def make_plan(model: ModelKVConfig, tp_size: int = 1, block_size: int = 16, max_model_len: int | None = None,
               target_len: int | None = None, max_num_groups: int = DEFAULT_MAX_NUM_GROUPS,
-              group_size: int | None = None) -> KVCachePlan:
+              group_size: int | None = None, state_pages: int | None = None,
+              mamba_checkpoint_interval: int | None = None) -> KVCachePlan:
+    """`state_pages` forces the pages a Mamba state spans (1: vLLM's layout); by default a
+    hybrid model's layout comes from `choose_hybrid_layout`."""
     max_model_len = max_model_len or model.max_model_len
     if max_model_len < 1:
         raise ConfigError(f"max_model_len must be >= 1, got {max_model_len}")
     target_len = target_len or max_model_len
-    specs = layer_specs(model, tp_size, block_size)
+    attn, mamba, _, _ = _sizes(model, tp_size)
+    hybrid = bool(attn and mamba)
+    k = state_pages or 1
+    choice = None
+    if hybrid and state_pages is None:
+        k, choice = choose_hybrid_layout(model, tp_size, block_size, target_len, max_num_groups,
+                                         mamba_checkpoint_interval, group_size)
+    specs = layer_specs(model, tp_size, block_size, k, mamba_checkpoint_interval)
     if not specs:
         raise ConfigError(f"{model.name}: no layer keeps KV cache or state")
     counts = Counter(specs.values())
-    baseline = _evaluate(counts, vllm_group_size(list(counts.values())), target_len, "vLLM")
-    if group_size is not None:
-        if group_size < 1:
-            raise ConfigError(f"group size must be >= 1, got {group_size}")
-        choice = _evaluate(counts, group_size, target_len, "given")
-    else:
-        choice = choose_group_size(counts, target_len, max_num_groups)
+    base_specs = counts if k == 1 else Counter(layer_specs(model, tp_size, block_size, 1).values())
+    baseline = _evaluate(base_specs, vllm_group_size(list(base_specs.values())), target_len, "vLLM")
+    if choice is None:
+        if group_size is not None:
+            if group_size < 1:
+                raise ConfigError(f"group size must be >= 1, got {group_size}")
+            choice = _evaluate(counts, group_size, target_len, "given")
+        else:
+            choice = choose_group_size(counts, target_len, max_num_groups)
     spec_order = sorted(counts, key=lambda s: (_KIND_ORDER[s.kind], s.describe()))
     g = choice.group_size
     groups: list[KVCacheGroup] = []
     layer_slots: dict[str, tuple[int, int]] = {}
     for spec in spec_order:
         names = [n for n, s in specs.items() if s == spec]
-        for start in range(0, len(names), g):
-            chunk = names[start:start + g]
+        pages = getattr(spec, "pages", 1)
+        per = _per_group(spec, g)
+        for start in range(0, len(names), per):
+            chunk = names[start:start + per]
             gid = len(groups)
-            groups.append(KVCacheGroup(gid, spec, tuple(chunk) + (None,) * (g - len(chunk))))
-            for slot, name in enumerate(chunk):
-                layer_slots[name] = (gid, slot)
+            slots = [name for name in chunk for _ in range(pages)]
+            groups.append(KVCacheGroup(gid, spec, tuple(slots) + (None,) * (g - len(slots))))
+            for j, name in enumerate(chunk):
+                layer_slots[name] = (gid, j * pages)
     shared = {layer.name: layer.kv_sharing_target for layer in model.layers if layer.kv_sharing_target}
     any_spec = next(iter(specs.values()))
     return KVCachePlan(model=model.name, tp_size=tp_size, block_size=any_spec.block_size,
                        page_size_bytes=any_spec.page_size_bytes, num_slots=g, groups=groups,
                        layer_slots=layer_slots, shared_layers=shared, max_model_len=max_model_len,
                        target_len=target_len, choice=choice, baseline=baseline,
-                       requested_block_size=block_size, layers=model.layers, dtype_bytes=model.dtype_bytes)
+                       requested_block_size=block_size, layers=model.layers, dtype_bytes=model.dtype_bytes,
+                       state_pages=k, mamba_checkpoint_interval=mamba_checkpoint_interval)
 
 
-def plan_with_group_size(plan: KVCachePlan, group_size: int) -> KVCachePlan:
-    """The same model planned with another group size (to compare layouts)."""
+def plan_with_group_size(plan: KVCachePlan, group_size: int, state_pages: int | None = None) -> KVCachePlan:
+    """The same model planned with another group size (to compare layouts); `state_pages=1`
+    with vLLM's group size is vLLM's layout."""
     model = ModelKVConfig(plan.model, "", plan.layers, plan.dtype_bytes, plan.max_model_len)
     return make_plan(model, plan.tp_size, plan.requested_block_size, plan.max_model_len, plan.target_len,
-                     group_size=group_size)
+                     group_size=group_size, state_pages=state_pages,
+                     mamba_checkpoint_interval=plan.mamba_checkpoint_interval)
+
+
+def vllm_plan(plan: KVCachePlan) -> KVCachePlan:
+    """vLLM's layout of the same model: its group-size rule, a Mamba state in one page, kept at
+    every block end."""
+    model = ModelKVConfig(plan.model, "", plan.layers, plan.dtype_bytes, plan.max_model_len)
+    return make_plan(model, plan.tp_size, plan.requested_block_size, plan.max_model_len, plan.target_len,
+                     group_size=plan.baseline.group_size, state_pages=1, mamba_checkpoint_interval=1)

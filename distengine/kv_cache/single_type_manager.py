@@ -40,6 +40,8 @@ class SingleTypeKVCacheManager:
     # for attention: each layer stores the whole batch's K/V before any request reads them, so a
     # hit in the same step reads written data. Not safe for a recurrent state (see Mamba).
     cache_ahead = True
+    # The band of blocks dropped mid-request (out of the window): unlikely to be hit again.
+    skip_band = EVICT_FIRST
 
     def __init__(self, spec: KVCacheSpec, group_ids: list[int], pool: BlockPool) -> None:
         self.spec = spec
@@ -125,10 +127,10 @@ class SingleTypeKVCacheManager:
             dropped = table[start:end]
             table[start:end] = [null] * len(dropped)
             if lo < hi:
-                free([b for i, b in enumerate(dropped, start) if not lo <= i < hi], EVICT_FIRST)
+                free([b for i, b in enumerate(dropped, start) if not lo <= i < hi], self.skip_band)
                 free(dropped[lo - start:hi - start], NORMAL)
             else:
-                free(dropped, EVICT_FIRST)
+                free(dropped, self.skip_band)
         req.num_skipped = stop
 
     def _append_new(self, request: Request, req: RequestBlocks, num_computed: int,
@@ -267,36 +269,80 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
 
 
 class MambaManager(SingleTypeKVCacheManager):
-    """One state page per request in use; the state at a block boundary is kept, cached under
-    the hash of the block it ends, so that a prefix hit restores it.
+    """One state page set per table entry that holds a state: the running one, and checkpoints.
 
-    For tokens [T, N) of a step the worker reads the state from entry (T-1)//B and writes the
-    state after the last boundary inside the step (N//B - 1) and the state after token N-1
-    ((N-1)//B). Boundaries in between are not kept: a chunked prefill whose chunks are block
-    multiples keeps a state at every chunk end.
+    The worker's rule for a step computing tokens [T, N) (`workers.mamba_metadata`): read the
+    state from entry (T-1)//B (zeros when T = 0); write the state after token N-1 to entry
+    (N-1)//B; and write the state at the end of every block that ends inside the step to that
+    block's entry when it is not null. So every non-null entry of a block that ended by
+    num_computed holds the state at its end, and is registered under the block's hash once
+    computed; a prefix hit restores it.
+
+    Which block ends get a checkpoint (a page) is decided here, with prefix caching on: the
+    last block end of each step (the next chunk, a later turn of the conversation), every
+    `checkpoint_interval` tokens, and the end of the longest prefix the request shares with
+    cached full-attention blocks when the state there is not cached: where two prompts
+    diverge, so that the next request sharing that prefix hits all of it.
     """
 
-    # A state is written at the end of the layer's scan: a request in the same step must not
-    # read it, so blocks are registered only once computed.
-    cache_ahead = False
+    cache_ahead = False  # a state is written at the end of the layer's scan, not before
+    skip_band = NORMAL  # a dropped entry is a checkpoint: as likely to be hit as attention blocks
+
+    def __init__(self, spec: KVCacheSpec, group_ids: list[int], pool: BlockPool) -> None:
+        super().__init__(spec, group_ids, pool)
+        self.prefix_group: int | None = None  # a full-attention group (set by the coordinator)
+        self.diverge: dict[str, int] = {}  # request id -> token count to checkpoint at
+        # Set by the coordinator for an allocation the pool cannot serve with checkpoints: they
+        # only serve later prefix hits, so they give way to the request's own pages.
+        self.lean = False
 
     def _needed_indices(self, request, num_computed, num_tokens, num_entries):
         bs = self.block_size
-        last = (num_tokens - 1) // bs
-        boundary = num_tokens // bs - 1
-        out = [boundary] if boundary != last and (boundary + 1) * bs > num_computed else []
-        out.append(last)
+        out = []
+        if self.pool.enable_caching and not self.lean:
+            every = self.spec.checkpoint_interval
+            rid = request.request_id
+            diverge = self.diverge.get(rid, 0) if rid in self.requests else self._divergence(request, num_computed)
+            last_end = num_tokens // bs * bs
+            for end in range((num_computed // bs + 1) * bs, num_tokens, bs):  # block ends inside the step
+                if end == last_end or end == diverge or (every and end % every == 0):
+                    out.append(end // bs - 1)
+        out.append((num_tokens - 1) // bs)
         return [i for i in out if i >= num_entries]
 
-    def allocate_new(self, request, num_computed, num_tokens):
-        bs, req = self.block_size, self.requests[request.request_id]
-        running = (num_computed - 1) // bs
-        if num_computed % bs and num_tokens // bs - 1 > running:
-            # The running page holds the state after num_computed tokens, not the state at the
-            # end of its block, and this step writes that boundary nowhere (it is not the last
-            # one in the step): the page must never be registered under its block's hash.
-            req.num_cached = max(req.num_cached, running + 1)
-        return super().allocate_new(request, num_computed, num_tokens)
+    def take_hits_and_skip(self, request, num_computed, new_computed):
+        if request.request_id not in self.requests and self.pool.enable_caching:
+            d = self._divergence(request, num_computed)
+            if d:
+                self.diverge[request.request_id] = d
+        super().take_hits_and_skip(request, num_computed, new_computed)
+
+    def _divergence(self, request: Request, num_computed: int) -> int:
+        """At admission: the end of the prompt's prefix cached in full-attention blocks, when it
+        lies beyond the hit (0: none)."""
+        if self.prefix_group is None:
+            return 0
+        cached = self.pool.cached[self.prefix_group]
+        hashes = request.block_hashes
+        n = min(len(hashes), (request.num_tokens - 1) // self.block_size)
+        i = num_computed // self.block_size
+        while i < n and hashes[i] in cached:
+            i += 1
+        return i * self.block_size if i * self.block_size > num_computed else 0
+
+    def free(self, request_id: str) -> None:
+        self.diverge.pop(request_id, None)
+        super().free(request_id)
+
+    def quiet_limits(self, request_id: str) -> tuple[float, float]:
+        # A page the request no longer reads is a whole state per layer: dropped (and cached) at
+        # the first allocation after it, not up to a block late as attention blocks are.
+        req = self.requests[request_id]
+        bs = self.block_size
+        computed = self.spec.next_skip_at(req.num_skipped) - 1
+        if self.pool.enable_caching:
+            computed = min(computed, (req.num_cached + 2) * bs - 2)
+        return len(req.tables[0]) * bs, computed
 
     def find_longest_cache_hit(self, block_hashes, max_length):
         num = min(len(block_hashes), max_length // self.block_size)

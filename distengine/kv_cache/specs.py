@@ -103,13 +103,17 @@ class ChunkedLocalAttentionSpec(KVCacheSpec):
 class MambaSpec(KVCacheSpec):
     """A recurrent state of fixed size per request, whatever its length.
 
-    One page holds one state. A request's table has an entry per block of tokens, all null but
-    the page that holds its running state and, while cached, the pages that hold its state at a
-    block boundary: those pages are what a later prefix hit restores.
+    A state fills `pages` consecutive pages (slots) of one block. A request's table has an entry
+    per block of tokens: the entry of the block holding its last computed token keeps the
+    running state; the entry of an earlier block, while not null, keeps the state at that
+    block's end (a checkpoint), which a later prefix hit restores. Which block ends get a
+    checkpoint is the manager's choice (`checkpoint_interval`, see MambaManager).
     """
 
     state_bytes: int = 0  # conv + SSM state of one layer on one rank
-    page_bytes: int = 0  # state_bytes padded up to the attention page size
+    page_bytes: int = 0  # one page (the attention page size)
+    pages: int = 1  # pages one state spans
+    checkpoint_interval: int = 0  # keep the state every this many tokens (0: only where needed)
     kind = "mamba"
 
     @property
@@ -124,7 +128,8 @@ class MambaSpec(KVCacheSpec):
         return (num_skipped + 1) * self.block_size + 1
 
     def describe(self) -> str:
-        return f"mamba(state={self.state_bytes}B)"
+        pages = f", {self.pages} pages" if self.pages > 1 else ""
+        return f"mamba(state={self.state_bytes}B{pages})"
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from workers.ops import paged_attention_op, store_kv_op
+
+if TYPE_CHECKING:
+    from workers.mamba_metadata import MambaMetadata
 
 
 @dataclass
@@ -21,6 +25,7 @@ class AttentionMetadata:
     max_seq_len: int
     slot_mappings: list[torch.Tensor]  # per group, [num_tokens] int64
     block_tables: list[torch.Tensor]  # per group, [num_seqs, max_blocks] int32
+    mamba: MambaMetadata | None = None  # the Mamba layers' state pages (hybrid models)
 
 
 class Attention(nn.Module):
@@ -40,6 +45,9 @@ class Attention(nn.Module):
 
     def bind_kv_cache(self, kv_cache: torch.Tensor, group_id: int) -> None:
         self.kv_cache, self.group_id = kv_cache, group_id
+
+    def unbind(self) -> None:
+        self.kv_cache, self.group_id = None, -1
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.kv_cache is None:

@@ -19,6 +19,10 @@ MODEL_REGISTRY: dict[str, str] = {
     # The multimodal checkpoint: we serve its text part (the model skips the vision tower's weights).
     "Gemma3ForConditionalGeneration": "workers.models.gemma3:Gemma3ForCausalLM",
     "Cohere2ForCausalLM": "workers.models.cohere2:Cohere2ForCausalLM",
+    "BambaForCausalLM": "workers.models.bamba:BambaForCausalLM",
+    "NemotronHForCausalLM": "workers.models.nemotron_h:NemotronHForCausalLM",
+    "FalconH1ForCausalLM": "workers.models.falcon_h1:FalconH1ForCausalLM",
+    "GraniteMoeHybridForCausalLM": "workers.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
 }
 
 

@@ -7,7 +7,6 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from workers.layers.attention import Attention
 from workers.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 
 # (our fused parameter, checkpoint name part, shard)
@@ -97,8 +96,9 @@ class DecoderForCausalLM(nn.Module):
     def missing_weights(self, loaded: set[str]) -> list[str]:
         return sorted(set(self.expected_checkpoint_shapes()) - loaded)
 
-    def attention_layers(self) -> dict[str, Attention]:
-        """Plan layer name ("model.layers.i") -> its attention module."""
+    def cache_layers(self) -> dict[str, nn.Module]:
+        """Plan layer name ("model.layers.i") -> the module that keeps its cache (an Attention;
+        hybrid models add their Mamba mixers)."""
         return {f"model.layers.{i}": layer.self_attn.attn for i, layer in enumerate(self.model.layers)}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from distengine.kv_cache.model_config import CHUNKED, SLIDING, parse_model_config
+from distengine.kv_cache.model_config import CHUNKED, SLIDING, decoder_layer_kinds
 from kernels.rotary import make_rope_cache
 from workers.layers.attention import Attention, AttentionMetadata
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -119,29 +119,43 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
+    # Checkpoint names of the embedding and the final norm (Bamba's is final_layernorm).
+    embed_name, norm_name = "embed_tokens", "norm"
+
     def __init__(self, config, layers: list[nn.Module], tp, dtype, device, norm: nn.Module) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype, device,
-                                                   "model.embed_tokens")
+        setattr(self, self.embed_name, VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, dtype, device,
+                                                              f"model.{self.embed_name}"))
         self.layers = nn.ModuleList(layers)
-        self.norm = norm
+        setattr(self, self.norm_name, norm)
+
+    @property
+    def embedding(self) -> VocabParallelEmbedding:
+        return getattr(self, self.embed_name)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
+        return self.embedding(input_ids)
 
     def forward(self, input_ids, positions, meta):
         x, residual = self.embed(input_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
-        x, _ = self.norm(x, residual)
+        x, _ = getattr(self, self.norm_name)(x, residual)
         return x
 
 
+def partial_rotary_factor(config) -> float:
+    """The share of each head that rotates: a config attribute, or (transformers 5) a key of
+    rope_parameters."""
+    factor = getattr(config, "partial_rotary_factor", None)
+    if factor is None:
+        factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor")
+    return float(factor or 1.0)
+
+
 def layer_kinds(config) -> list[str]:
-    """Per-layer attention type, read as the KV cache plan reads it."""
-    d = config.to_dict()
-    d.setdefault("max_position_embeddings", getattr(config, "max_position_embeddings", None) or 1 << 20)
-    return [layer.kind for layer in parse_model_config(d).layers]
+    """Per-layer type (attention type, Mamba...), read as the KV cache plan reads it."""
+    return decoder_layer_kinds(config.to_dict())
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
@@ -157,11 +171,14 @@ class LlamaForCausalLM(DecoderForCausalLM):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         kinds = layer_kinds(config)
         caches = self.rope_caches(config, kinds, device)
-        layers = [self.decoder_layer_cls(config, i, kind, tp, dtype, device, caches[i]) for i, kind in enumerate(kinds)]
+        layers = [self.make_layer(config, i, kind, tp, dtype, device, caches[i]) for i, kind in enumerate(kinds)]
         self.model = self.model_cls(config, layers, tp, dtype, device, self.final_norm(config, dtype, device))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp, dtype, device, "lm_head")
         if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.weight = self.model.embedding.weight
+
+    def make_layer(self, config, i: int, kind: str, tp, dtype, device, rope_cache) -> nn.Module:
+        return self.decoder_layer_cls(config, i, kind, tp, dtype, device, rope_cache)
 
     def final_norm(self, config, dtype, device) -> nn.Module:
         return RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
@@ -169,7 +186,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
     def rope_caches(self, config, kinds: list[str], device) -> list[torch.Tensor | None]:
         """One cos/sin cache per distinct (base, scaling), shared by the layers that use it."""
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rot = int(head_dim * getattr(config, "partial_rotary_factor", 1.0))
+        rot = int(head_dim * partial_rotary_factor(config))
         cache: dict[str, torch.Tensor] = {}
         out = []
         for kind in kinds:

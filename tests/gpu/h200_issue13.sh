@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# GPU checks and benchmarks of the Mamba hybrids (issue 13), for the device tool's machines, from
+# the project root, after `bash .whl/install.sh && export PYTHONPATH=/tmp/site:$PWD`:
+#   bash tests/gpu/h200_issue13.sh tests   # one H200 (~2 min): kernel and model tests natively
+#   K=bamba bash tests/gpu/h200_issue13.sh graphs   # one H200 (~4 min): the CUDA graph tests of the Mamba hybrid
+#   bash tests/gpu/h200_issue13.sh bench   # one H200 (~5 min): kernel bench, Bamba-9B TP=1 + HF generate
+#   bash tests/gpu/h200_issue13.sh two     # two H200s (~4 min): TP=2 graph tests, Bamba-9B TP=2
+# Logs and JSON go to $OUT; a short table is printed last. Each step has its own time limit.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+mode=${1:-tests}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__,
+"transformers", transformers.__version__, "gpus", torch.cuda.device_count())'
+cli="python3 -m launch.cli"
+io="--input-len 512 --output-len 128 --num-iters 2 --num-iters-warmup 1"
+summary() { echo "== $1"; tail -n "${2:-20}" "$OUT/$3"; }
+
+if [ "$mode" = tests ]; then
+  timeout 140 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_mamba.py tests/test_models.py \
+      > "$OUT/pytest_kernels.log" 2>&1; echo "pytest exit $?" >> "$OUT/pytest_kernels.log"
+  summary "kernels + models" 4 pytest_kernels.log
+fi
+
+if [ "$mode" = graphs ]; then  # ${K:-bamba}: the Gemma-3 cases passed in 330 s, cold Triton caches
+  timeout 270 python3 -m pytest -o addopts= -v -p no:cacheprovider --timeout 200 -k "${K:-bamba}" \
+      tests/test_cuda_graphs.py > "$OUT/pytest_graphs.log" 2>&1; echo "pytest exit $?" >> "$OUT/pytest_graphs.log"
+  grep -E "PASS|FAIL|SKIP|ERROR|Timeout|exit" "$OUT/pytest_graphs.log" | head -20
+fi
+
+if [ "$mode" = bench ]; then
+  timeout 60 python3 -m kernels.bench_mamba > "$OUT/bench_mamba.log" 2>&1
+  timeout 300 $cli bench latency --shape bamba-9b --model-dir /tmp/b9 --batch-size 1 32 128 $io --hf \
+      --output-json "$OUT/bamba_tp1.json" > "$OUT/bamba_tp1.log" 2>&1
+  summary bench_mamba 24 bench_mamba.log; summary "Bamba-9B TP=1" 18 bamba_tp1.log
+fi
+
+if [ "$mode" = two ]; then
+  timeout 180 python3 -m pytest -o addopts= -v -p no:cacheprovider --timeout 150 tests/test_cuda_graphs.py -k tp2 \
+      > "$OUT/pytest_tp2.log" 2>&1; echo "pytest exit $?" >> "$OUT/pytest_tp2.log"
+  python3 -c "from launch.bench_common import build_random_model as b; b('/tmp/b9d', 'bamba-9b', weights=False)"
+  timeout 120 $cli bench latency --model /tmp/b9d --load-format dummy -tp 2 --batch-size 1 32 128 $io \
+      --output-json "$OUT/bamba_tp2.json" > "$OUT/bamba_tp2.log" 2>&1
+  grep -E "PASS|FAIL|SKIP|ERROR|Timeout|exit" "$OUT/pytest_tp2.log"; summary "Bamba-9B TP=2" 14 bamba_tp2.log
+fi

@@ -1,0 +1,136 @@
+"""Granite-4.0-H (GraniteMoeHybrid), dense variant: Mamba-2 or attention layers (`layer_types`),
+each followed by the `shared_mlp`, with Granite's multipliers:
+
+* `embedding_multiplier` on the embedding; `residual_multiplier` on both sublayers' outputs before
+  they join the residual stream; `attention_multiplier` is the attention scale (not
+  head_dim ** -0.5); the logits divided by `logits_scaling`;
+* RoPE only when `position_embedding_type` is "rope" (the released models: "nope");
+* the shared MLP: one fused `input_linear` [gate | up] (halves of 2 * shared_intermediate_size)
+  and `output_linear`, silu-gated; `input_linear` is sliced per half for tensor parallelism;
+* Mamba-2 mixers as Bamba's: gated RMSNorm with the gate before the norm.
+
+A config with routed experts (`num_local_experts` > 0: block_sparse_moe) is refused at
+construction: mixture-of-experts is not supported yet.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distengine.kv_cache.model_config import MAMBA, MLP, MOE, PARALLEL
+from workers.layers.linear import RowParallelLinear
+from workers.layers.mamba import MambaMixer2, Segmented
+from workers.models.bamba import MambaHybridForCausalLM
+from workers.models.llama import DecoderModel, LlamaAttention, RMSNorm
+from workers.ops import act_and_mul
+from workers.parallel import TPGroup, split_evenly
+
+
+def multiplier(config, name: str) -> float:
+    value = getattr(config, name, None)
+    return 1.0 if value is None else float(value)
+
+
+class GraniteMoeHybridAttention(LlamaAttention):
+    def scale(self, config) -> float:
+        return multiplier(config, "attention_multiplier")
+
+
+class GraniteSharedMLP(nn.Module):
+    """input_linear [gate | up] (each half column-parallel on its own) -> silu(gate) * up ->
+    output_linear (row-parallel)."""
+
+    def __init__(self, config, tp: TPGroup, dtype, device, prefix: str) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.shared_intermediate_size
+        start, size = split_evenly(i, tp, f"{prefix}.input_linear half")
+        self.input_linear = Segmented([(i, start, size), (i, start, size)], (h,), False, dtype, device,
+                                      f"{prefix}.input_linear")
+        self.output_linear = RowParallelLinear(i, h, False, tp, dtype, device, f"{prefix}.output_linear")
+        self.act = act_and_mul(getattr(config, "hidden_act", None) or "silu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output_linear(self.act(F.linear(x, self.input_linear.weight)))
+
+
+class GraniteMoeHybridDecoderLayer(nn.Module):
+    """Pre-norm Mamba-2 or attention, then the pre-norm shared MLP; each output scaled by the
+    residual multiplier before the (fused) residual add."""
+
+    def __init__(self, model: MambaHybridForCausalLM, config, i: int, kind: str, tp, dtype, device,
+                 rope_cache) -> None:
+        super().__init__()
+        prefix = f"model.layers.{i}"
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
+        if kind == MAMBA:
+            self.mamba = model.mixer(config, tp, dtype, device, f"{prefix}.mamba")
+        else:
+            self.self_attn = GraniteMoeHybridAttention(config, i, kind, tp, dtype, device, f"{prefix}.self_attn",
+                                                       rope_cache)
+        self.shared_mlp = GraniteSharedMLP(config, tp, dtype, device, f"{prefix}.shared_mlp")
+        self.residual_multiplier = multiplier(config, "residual_multiplier")
+
+    def _scaled(self, h: torch.Tensor) -> torch.Tensor:
+        return h * self.residual_multiplier if self.residual_multiplier != 1.0 else h
+
+    def forward(self, positions, x, residual, meta):
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.mamba(h, meta) if hasattr(self, "mamba") else self.self_attn(positions, h, meta)
+        h, residual = self.post_attention_layernorm(self._scaled(h), residual)
+        return self._scaled(self.shared_mlp(h)), residual
+
+
+class GraniteMoeHybridDecoderModel(DecoderModel):
+    def __init__(self, config, layers, tp, dtype, device, norm) -> None:
+        super().__init__(config, layers, tp, dtype, device, norm)
+        self.embedding_multiplier = multiplier(config, "embedding_multiplier")
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(input_ids)
+        return x * self.embedding_multiplier if self.embedding_multiplier != 1.0 else x
+
+
+def num_experts(config) -> int:
+    return int(getattr(config, "num_local_experts", 0) or 0)
+
+
+class GraniteMoeHybridForCausalLM(MambaHybridForCausalLM):
+    model_cls = GraniteMoeHybridDecoderModel
+
+    def __init__(self, config, tp: TPGroup, dtype: torch.dtype, device: torch.device,
+                 max_positions: int | None = None) -> None:
+        super().__init__(config, tp, dtype, device, max_positions)
+        self.logits_scaling = multiplier(config, "logits_scaling")
+
+    def has_experts(self, config) -> bool:
+        return num_experts(config) > 0
+
+    def expert_note(self, config) -> str:
+        return f"num_local_experts={num_experts(config)}: block_sparse_moe layers"
+
+    def make_layer(self, config, i, kind, tp, dtype, device, rope_cache):
+        if kind in (MLP, MOE, PARALLEL):
+            raise ValueError(f"Granite-4.0-H: layer {i} has type {kind!r}; its layers are attention or Mamba")
+        return GraniteMoeHybridDecoderLayer(self, config, i, kind, tp, dtype, device, rope_cache)
+
+    def rope_caches(self, config, kinds, device):
+        if getattr(config, "position_embedding_type", None) != "rope":
+            return [None] * len(kinds)  # NoPE
+        return super().rope_caches(config, kinds, device)
+
+    def mixer(self, config, tp, dtype, device, prefix):
+        return MambaMixer2(config.hidden_size, self.shape, tp, dtype, device, prefix,
+                           conv_bias=bool(getattr(config, "mamba_conv_bias", True)),
+                           proj_bias=bool(getattr(config, "mamba_proj_bias", False)),
+                           activation=getattr(config, "hidden_act", "silu"), eps=config.rms_norm_eps,
+                           dt_limit=tuple(getattr(config, "time_step_limit", None) or (0.0, float("inf"))))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        return logits / self.logits_scaling if self.logits_scaling != 1.0 else logits
