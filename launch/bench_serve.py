@@ -83,7 +83,9 @@ async def _benchmark(args, base_url: str) -> dict:
                                                          stream_options={"include_usage": True}, extra_body=extra)
                 async for chunk in stream:
                     now = time.perf_counter()
-                    if chunk.choices and chunk.choices[0].text:
+                    # A chunk per step of tokens, its text possibly empty (a server without a
+                    # tokenizer, text held back for stop strings): vLLM's bench counts it too.
+                    if chunk.choices:
                         if rec["ttft"] is None:
                             rec["ttft"] = now - t0
                         else:
@@ -94,6 +96,8 @@ async def _benchmark(args, base_url: str) -> dict:
                         rec["output_tokens"] = chunk.usage.completion_tokens
                 rec["latency"] = time.perf_counter() - t0
                 rec["ok"] = rec["ttft"] is not None
+                if not rec["ok"]:
+                    rec["error"] = "the stream ended without a token"
             except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
                 rec["error"] = f"{type(e).__name__}: {e}"
             if bar is not None:

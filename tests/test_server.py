@@ -251,6 +251,26 @@ def test_bench_serve_against_the_server(server, tmp_path):
     assert res["ttft_ms"]["median"] > 0 and res["itl_ms"]["mean"] > 0 and res["output_throughput"] > 0
 
 
+def test_bench_serve_against_a_server_without_tokenizer(tmp_path):
+    """Random-weight benchmarks serve a model without a tokenizer: token ids in, empty texts out.
+    Each streamed chunk is a step of tokens all the same."""
+    from launch.bench_common import build_random_model
+    from launch.cli import main
+    folder = str(tmp_path / "no-tokenizer")
+    build_random_model(folder, "tiny", "cpu", weights=False)
+    s = Server(folder, "--load-format", "dummy")
+    try:
+        out = tmp_path / "serve.json"
+        assert main(["bench", "serve", "--port", str(s.port), "--api-key", KEY, "--num-prompts", "4",
+                     "--random-input-len", "10", "--random-output-len", "6", "--random-vocab-size", "100",
+                     "--ignore-eos", "--no-progress", "--output-json", str(out)]) == 0
+        res = json.loads(out.read_text())
+        assert res["completed"] == 4 and res["failed"] == 0 and res["total_output_tokens"] == 24, res
+        assert res["itl_ms"]["mean"] > 0 and res["tpot_ms"]["mean"] > 0
+    finally:
+        assert s.stop() == 0
+
+
 def test_sigterm_finishes_the_request_in_flight_and_exits_0(model):
     s = Server(model)
     body = {"prompt": "what is water", "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": True}

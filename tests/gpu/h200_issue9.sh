@@ -3,8 +3,8 @@
 # project root, after `bash .whl/install.sh && export PYTHONPATH=/tmp/site:$PWD`:
 #   bash tests/gpu/h200_issue9.sh dev     # one H200 (~5 min): GPU tests, kernel sweep, TP=1 figures on random weights
 #   bash tests/gpu/h200_issue9.sh final   # two H200s (~8 min): all-reduce, TP=2 test, TP=1 (+HF) and TP=2 figures
-#   bash tests/gpu/h200_issue9.sh serve   # one or two H200s (~8 min per TP size): bench serve at 4 rates, +shared prefix
-#   bash tests/gpu/h200_issue9.sh sweep   # two H200s (~10 min): examples/sweep_gemma3_12b.yaml, then sweep_serve.yaml
+#   bash tests/gpu/h200_issue9.sh serve   # one or two H200s (~5 min per TP size): bench serve at 4 rates, +shared prefix
+#   bash tests/gpu/h200_issue9.sh sweep   # two H200s (~10 min): examples/sweep_gemma3_12b.yaml, then sweep_serve.yaml (SWEEPS="latency serve")
 # Logs and JSON go to $OUT; a short table is printed last. Each step has its own time limit.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -46,12 +46,13 @@ if [ "$mode" = final ]; then
   summary "TP=2" 13 lat_tp2.log; summary "TP=1" 17 lat_tp1.log
 fi
 
-if [ "$mode" = serve ]; then  # issue 11's figures: TP=${TP:-1}, 512 prompts of 512 in / 128 out
+if [ "$mode" = serve ]; then  # issue 11's figures: TP=${TP:-1}, 512 in / 128 out
   python3 -c "from launch.bench_common import build_random_model; build_random_model('/tmp/g12d', 'gemma-3-12b', weights=False)"
   $cli serve /tmp/g12d --load-format dummy -tp "${TP:-1}" --port 8000 > "$OUT/server.log" 2>&1 &
   for i in $(seq 1 300); do curl -sf http://127.0.0.1:8000/health >/dev/null && break; sleep 1; done
-  for rate in 1 4 16 inf; do
-    timeout 200 $cli bench serve --num-prompts 512 --random-input-len 512 --random-output-len 128 --ignore-eos \
+  for point in 1:60 4:240 16:512 inf:512; do  # rate:prompts (a minute at most per rate)
+    rate=${point%:*}
+    timeout 150 $cli bench serve --num-prompts ${point#*:} --random-input-len 512 --random-output-len 128 --ignore-eos \
         --random-vocab-size 200000 --request-rate $rate --no-progress --output-json "$OUT/serve_r$rate.json" \
         > "$OUT/serve_r$rate.log" 2>&1
   done
@@ -65,9 +66,10 @@ fi
 
 if [ "$mode" = sweep ]; then  # issue 12's figures: the two example sweeps on random 12B-shaped weights
   python3 -c "from launch.bench_common import build_random_model as b; b('/tmp/g12d', 'gemma-3-12b', weights=False)"
-  timeout 280 $cli bench sweep examples/sweep_gemma3_12b.yaml --out "$OUT/sweep_latency" --no-progress \
-      > "$OUT/sweep_latency.log" 2>&1
-  timeout 280 $cli bench sweep examples/sweep_serve.yaml --out "$OUT/sweep_serve" --no-progress \
-      > "$OUT/sweep_serve.log" 2>&1
-  tail -14 "$OUT/sweep_latency.log"; tail -10 "$OUT/sweep_serve.log"
+  for name in ${SWEEPS:-latency serve}; do  # latency: examples/sweep_gemma3_12b.yaml
+    file=examples/sweep_serve.yaml; [ "$name" = latency ] && file=examples/sweep_gemma3_12b.yaml
+    timeout ${SWEEP_LIMIT:-280} $cli bench sweep $file --out "$OUT/sweep_$name" --no-progress \
+        > "$OUT/sweep_$name.log" 2>&1
+    tail -14 "$OUT/sweep_$name.log"
+  done
 fi
