@@ -77,3 +77,18 @@ def test_tp_size_that_does_not_divide_heads_is_refused():
     config = transformers.LlamaConfig(**COMMON, num_hidden_layers=1)
     with pytest.raises(ValueError, match="query heads .* not divisible by the tensor-parallel size 3"):
         LlamaForCausalLM(config, TPGroup(rank=0, world_size=3), torch.float32, torch.device("cpu"))
+
+
+def test_mamba_configs_that_cannot_be_sharded_are_refused():
+    """Mamba heads must split evenly; B/C groups must split with them or each rank must read one."""
+    from distengine.kv_cache.model_config import ConfigError, MambaShape, mamba_groups_per_rank
+    from workers.layers.mamba import MambaMixer2
+    shape = MambaShape(2, intermediate=8 * 16, d_state=16, d_conv=4, n_heads=8, d_head=16, n_groups=2)
+    with pytest.raises(ValueError, match="8 Mamba heads cannot be split across tensor-parallel size 3"):
+        MambaMixer2(64, shape, TPGroup(rank=0, world_size=3), torch.float32, "cpu", "model.layers.0.mamba")
+    assert mamba_groups_per_rank(2, 8, 2) == 1 and mamba_groups_per_rank(1, 8, 4) == 1
+    assert mamba_groups_per_rank(2, 8, 4) == 1 and mamba_groups_per_rank(4, 8, 2) == 2
+    with pytest.raises(ConfigError, match="3 Mamba2 groups cannot be sharded across tp=2"):
+        mamba_groups_per_rank(3, 12, 2)
+    # Two ranks sharing a group still each hold a whole head range of it.
+    MambaMixer2(64, shape, TPGroup(rank=1, world_size=4), torch.float32, "cpu", "model.layers.0.mamba")
