@@ -43,6 +43,9 @@ def _worker(rank: int, world: int, rendezvous: str, folder: str, backend: str = 
         results[name] = {"logits": logits.cpu().tolist(), "greedy": h.greedy(prompt, 32)}
     if rank == 0:
         json.dump(results, open(os.path.join(folder, "tp_results.json"), "w"))
+    # Both ranks leave together: a gloo peer that tears its connections down while the other is
+    # still in its own teardown can abort it ("terminate called without an active exception").
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
