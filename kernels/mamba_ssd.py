@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from kernels.mamba_conv import _gather_pages
-from kernels.mamba_state_update import _discretize_dt
+from kernels.mamba_state_update import _discretize_dt, check_ssm_operands
 
 __all__ = ["SSD_MAX_CHUNK", "default_config", "ssd_scan_varlen", "ssd_scan_varlen_ref"]
 
@@ -171,13 +171,7 @@ def _ssd_varlen_kernel(
 
 
 def _check(x, dt, A, B, C, D, dt_bias, ssm_state, query_start_loc, init_page, chunk_start, chunk_seq, chunk_page):
-    T, H, P = x.shape
-    G, N = B.shape[1], B.shape[2]
-    assert dt.shape == (T, H) and A.shape == (H,), (dt.shape, A.shape)
-    assert B.shape == (T, G, N) and C.shape == (T, G, N) and H % G == 0, (B.shape, C.shape, H)
-    assert D is None or D.shape == (H,)
-    assert dt_bias is None or dt_bias.shape == (H,)
-    assert ssm_state.dim() == 4 and ssm_state.shape[1:] == (H, P, N), (ssm_state.shape, H, P, N)
+    T, H, P, G, N = check_ssm_operands(x, dt, A, B, C, D, dt_bias, ssm_state)
     S = init_page.shape[0]
     assert query_start_loc.shape == (S + 1,), (query_start_loc.shape, S)
     NC = chunk_seq.shape[0]

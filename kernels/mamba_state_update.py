@@ -71,15 +71,22 @@ def _state_update_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dtb_ptr, z_p
     tl.store(out_ptr + s * so_s + h * so_h + p, y.to(out_ptr.dtype.element_ty), mask=pm)
 
 
-def _check(x, dt, A, B, C, D, dt_bias, ssm_state, init_page, write_page, z) -> tuple[int, int, int, int, int]:
-    S, H, P = x.shape
+def check_ssm_operands(x, dt, A, B, C, D, dt_bias, ssm_state) -> tuple[int, int, int, int, int]:
+    """(tokens, heads, head dim, groups, state size) of the operands the decode step and the scan
+    share; their shapes checked."""
+    T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
-    assert dt.shape == (S, H) and A.shape == (H,), (dt.shape, A.shape)
-    assert B.shape == (S, G, N) and C.shape == (S, G, N) and H % G == 0, (B.shape, C.shape, H)
+    assert dt.shape == (T, H) and A.shape == (H,), (dt.shape, A.shape)
+    assert B.shape == (T, G, N) and C.shape == (T, G, N) and H % G == 0, (B.shape, C.shape, H)
     assert D is None or D.shape == (H,)
     assert dt_bias is None or dt_bias.shape == (H,)
-    assert z is None or z.shape == (S, H, P)
     assert ssm_state.dim() == 4 and ssm_state.shape[1:] == (H, P, N), (ssm_state.shape, H, P, N)
+    return T, H, P, G, N
+
+
+def _check(x, dt, A, B, C, D, dt_bias, ssm_state, init_page, write_page, z) -> tuple[int, int, int, int, int]:
+    S, H, P, G, N = check_ssm_operands(x, dt, A, B, C, D, dt_bias, ssm_state)
+    assert z is None or z.shape == (S, H, P)
     assert init_page.shape == (S,) and write_page.shape == (S,)
     return S, H, P, G, N
 

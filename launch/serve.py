@@ -382,13 +382,18 @@ def build_app(engine, served_names: list[str], api_key: str | None = None):
         from prometheus_client import CONTENT_TYPE_LATEST
         return Response(engine.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
+    def tokenizer_refusal(model: str | None) -> JSONResponse | None:
+        """The answer of /tokenize and /detokenize when they cannot run."""
+        refused = refuse(model)
+        if refused is None and tok is None:
+            refused = error(400, "this model has no tokenizer")
+        return refused
+
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
-        refused = refuse(req.model)
+        refused = tokenizer_refusal(req.model)
         if refused is not None:
             return refused
-        if tok is None:
-            return error(400, "this model has no tokenizer")
         try:
             if req.messages:
                 ids = tok(chat_prompt(req.messages), add_special_tokens=req.add_special_tokens)["input_ids"]
@@ -402,11 +407,9 @@ def build_app(engine, served_names: list[str], api_key: str | None = None):
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
-        refused = refuse(req.model)
+        refused = tokenizer_refusal(req.model)
         if refused is not None:
             return refused
-        if tok is None:
-            return error(400, "this model has no tokenizer")
         try:
             ids = engine.inputs.token_ids(req.tokens, "tokens")
         except (ValueError, TypeError) as e:

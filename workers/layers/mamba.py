@@ -27,6 +27,7 @@ from workers.ops import (causal_conv1d_update_op, causal_conv1d_varlen_op, gated
                          ssd_scan_varlen_op)
 from workers.parallel import TPGroup
 
+
 class Segmented(nn.Module):
     """Parameters whose dim 0 concatenates segments each sliced on its own by the rank (in_proj's
     z | x | B | C | dt, the conv's x | B | C). `segments`: (full length, this rank's start, length)."""
@@ -87,10 +88,11 @@ class MambaMixer2(nn.Module):
                                  device, f"{prefix}.in_proj")
         self.conv1d = Segmented([heads, groups, groups], (1, K), conv_bias, dtype, device, f"{prefix}.conv1d")
         self.conv_dim = self.I_local + 2 * self.G_local * N
-        f32 = dict(dtype=torch.float32, device=device)
+        f32 = {"dtype": torch.float32, "device": device}
         self.A_log = nn.Parameter(torch.empty(self.H, **f32), requires_grad=False)
         self.D = nn.Parameter(torch.empty(self.H, **f32), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(self.H, **f32), requires_grad=False)
+        self._A: torch.Tensor | None = None  # -exp(A_log): derived at the first forward, not every step
         self.head_slice = (H, h0, self.H)
         self.norm = GatedNorm(I, G, tp, self.I_local, h0 * P, eps, norm_before_gate, dtype, device,
                               f"{prefix}.norm") if rms_norm else None
@@ -117,6 +119,8 @@ class MambaMixer2(nn.Module):
         if tuple(full.shape) != (n_full,):
             raise ValueError(f"{self.prefix}: checkpoint tensor has shape {tuple(full.shape)}, expected ({n_full},)")
         param.data.copy_(full.narrow(0, start, n).to(param.dtype))
+        if param is self.A_log:
+            self._A = None
 
     # ---- state ---------------------------------------------------------------------------
     def state_layout(self, dtype_bytes: int) -> StateLayout:
@@ -160,7 +164,9 @@ class MambaMixer2(nn.Module):
         xs, B, C = xbc.split([self.I_local, GN, GN], dim=-1)
         xs = xs.view(T, self.H, self.P)
         B, C = B.view(T, self.G_local, self.N), C.view(T, self.G_local, self.N)
-        A = -torch.exp(self.A_log)
+        if self._A is None:
+            self._A = -torch.exp(self.A_log)
+        A = self._A
         if m.decode:
             y = selective_state_update_op(xs, dt, A, B, C, self.D, self.dt_bias, True, self.dt_limit, self.ssm_state,
                                           m.init_pages[j], m.write_pages[j])

@@ -49,7 +49,12 @@ class MambaHybridForCausalLM(LlamaForCausalLM):
         return "MoE layers"
 
     def mixer(self, config, tp, dtype, device, prefix: str) -> MambaMixer2:
-        raise NotImplementedError
+        """The mixer from Bamba's config fields (Granite-4.0-H spells them alike)."""
+        return MambaMixer2(config.hidden_size, self.shape, tp, dtype, device, prefix,
+                           conv_bias=bool(getattr(config, "mamba_conv_bias", True)),
+                           proj_bias=bool(getattr(config, "mamba_proj_bias", False)),
+                           activation=getattr(config, "hidden_act", "silu"), eps=config.rms_norm_eps,
+                           dt_limit=tuple(getattr(config, "time_step_limit", None) or (0.0, float("inf"))))
 
     def cache_layers(self) -> dict[str, nn.Module]:
         out: dict[str, nn.Module] = {}
@@ -99,12 +104,6 @@ class BambaForCausalLM(MambaHybridForCausalLM):
         if kind in (MLP, MOE, PARALLEL):
             raise ValueError(f"Bamba: layer {i} has type {kind!r}; Bamba layers are attention or Mamba")
         return BambaDecoderLayer(self, config, i, kind, tp, dtype, device, rope_cache)
-
-    def mixer(self, config, tp, dtype, device, prefix):
-        return MambaMixer2(config.hidden_size, self.shape, tp, dtype, device, prefix,
-                           conv_bias=bool(config.mamba_conv_bias), proj_bias=bool(config.mamba_proj_bias),
-                           activation=config.hidden_act, eps=config.rms_norm_eps,
-                           dt_limit=tuple(config.time_step_limit or (0.0, float("inf"))))
 
 
 def _model_cls(norm_name: str, embed_name: str = "embed_tokens"):

@@ -20,7 +20,7 @@ from torch import nn
 
 from distengine.kv_cache.model_config import MAMBA, MLP, MOE, PARALLEL
 from workers.layers.linear import RowParallelLinear
-from workers.layers.mamba import MambaMixer2, Segmented
+from workers.layers.mamba import Segmented
 from workers.models.bamba import MambaHybridForCausalLM
 from workers.models.llama import DecoderModel, LlamaAttention, RMSNorm
 from workers.ops import act_and_mul
@@ -123,13 +123,6 @@ class GraniteMoeHybridForCausalLM(MambaHybridForCausalLM):
         if getattr(config, "position_embedding_type", None) != "rope":
             return [None] * len(kinds)  # NoPE
         return super().rope_caches(config, kinds, device)
-
-    def mixer(self, config, tp, dtype, device, prefix):
-        return MambaMixer2(config.hidden_size, self.shape, tp, dtype, device, prefix,
-                           conv_bias=bool(getattr(config, "mamba_conv_bias", True)),
-                           proj_bias=bool(getattr(config, "mamba_proj_bias", False)),
-                           activation=getattr(config, "hidden_act", "silu"), eps=config.rms_norm_eps,
-                           dt_limit=tuple(getattr(config, "time_step_limit", None) or (0.0, float("inf"))))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)
