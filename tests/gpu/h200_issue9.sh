@@ -50,18 +50,24 @@ if [ "$mode" = serve ]; then  # issue 11's figures: TP=${TP:-1}, 512 in / 128 ou
   python3 -c "from launch.bench_common import build_random_model; build_random_model('/tmp/g12d', 'gemma-3-12b', weights=False)"
   $cli serve /tmp/g12d --load-format dummy -tp "${TP:-1}" --port 8000 > "$OUT/server.log" 2>&1 &
   for i in $(seq 1 300); do curl -sf http://127.0.0.1:8000/health >/dev/null && break; sleep 1; done
-  for point in 1:60 4:240 16:512 inf:512; do  # rate:prompts (a minute at most per rate)
-    rate=${point%:*}
+  # rate:prompts (a minute at most per rate). Each run its own --seed: with one seed every run
+  # draws the same prompts, and a later run would hit the earlier runs' prefix cache.
+  seed=1
+  for point in 1:60 4:240 16:512 inf:512; do
+    rate=${point%:*}; seed=$((seed + 1))
     timeout 150 $cli bench serve --num-prompts ${point#*:} --random-input-len 512 --random-output-len 128 --ignore-eos \
-        --random-vocab-size 200000 --request-rate $rate --no-progress --output-json "$OUT/serve_r$rate.json" \
-        > "$OUT/serve_r$rate.log" 2>&1
+        --random-vocab-size 200000 --request-rate $rate --seed $seed --no-progress \
+        --output-json "$OUT/serve_r$rate.json" > "$OUT/serve_r$rate.log" 2>&1
   done
+  hits() { curl -s http://127.0.0.1:8000/metrics | grep -E "^distengine:prefix_cache_(queries|hits)_total"; }
+  hits > "$OUT/prefix_before.txt"
   timeout 200 $cli bench serve --num-prompts 512 --random-input-len 512 --random-output-len 128 --ignore-eos \
-      --random-prefix-len 2000 --random-vocab-size 200000 --request-rate inf --no-progress \
+      --random-prefix-len 2000 --random-vocab-size 200000 --request-rate inf --seed 100 --no-progress \
       --output-json "$OUT/serve_prefix.json" > "$OUT/serve_prefix.log" 2>&1
-  curl -s http://127.0.0.1:8000/metrics | grep -E "^distengine:prefix_cache_(queries|hits)_total" | tee "$OUT/prefix.txt"
+  hits > "$OUT/prefix_after.txt"
   kill -TERM %1; wait
   for f in "$OUT"/serve_*.log; do echo "== $f"; tail -7 "$f"; done
+  echo "== prefix cache (before / after the shared-prefix run)"; cat "$OUT/prefix_before.txt" "$OUT/prefix_after.txt"
 fi
 
 if [ "$mode" = sweep ]; then  # issue 12's figures: the two example sweeps on random 12B-shaped weights
