@@ -7,7 +7,7 @@ def compiled_variants() -> int:
     a kernel is specialised anew, e.g. on an integer argument's value."""
     import importlib
     total = 0
-    for name in ("paged_attention", "kv_store", "layernorm", "rotary", "activation",
+    for name in ("paged_attention", "kv_store", "layernorm", "rotary", "qk_norm_rope", "activation", "gemv",
                  "mamba_conv", "mamba_ssd", "mamba_state_update", "gated_rmsnorm"):
         for obj in vars(importlib.import_module(f"kernels.{name}")).values():
             for cache in getattr(obj, "device_caches", {}).values():

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kernels.activation import gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref
+from kernels.gemv import gemv, gemv_ref
 from kernels.kv_store import store_kv, store_kv_ref
 from kernels.layernorm import rms_norm, rms_norm_ref
 from kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
@@ -298,3 +299,57 @@ def test_qk_norm_rope_equals_the_unfused_kernels():
         torch.testing.assert_close(ka, kn, **tol)
     with pytest.raises(ValueError, match="full rotary"):
         qk_norm_rope(qa, ka, pos, cache[:, :64], qw, kw, 1e-6)
+
+
+# ----------------------------------------------------------------------------- single-row GEMV
+
+@pytest.mark.parametrize("impl", [gemv, gemv_ref], ids=["triton", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,k,cfg", [
+    (37, 300, None),  # ragged N and K: masked rows and a partial last K step
+    (64, 1024, None),
+    (4100, 96, None),  # N past the first tile rule
+    (21, 700, {"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}),
+    (50, 513, {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4, "num_stages": 1}),
+])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_gemv(impl, dtype, n, k, cfg, bias):
+    """Against float64 F.linear on a weight whose rows are strided (a view of a wider matrix, the
+    rest NaN), output poisoned with NaN first."""
+    x = randn(1, k, dtype=dtype)
+    wide = torch.full((n, k + 24), float("nan"), device=DEVICE, dtype=dtype)
+    wide[:, :k] = randn(n, k, dtype=dtype)
+    w = wide[:, :k]
+    b = randn(n, dtype=dtype) if bias else None
+    ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    if impl is gemv:
+        out = torch.full((1, n), float("nan"), device=DEVICE, dtype=dtype)
+        got = gemv(x, w, b, out=out, config=cfg)
+        assert got.data_ptr() == out.data_ptr()
+    else:
+        got = impl(x, w, b)
+    check(got, ref, dtype)
+
+
+def test_gemv_bad_arguments():
+    x, w = randn(1, 8, dtype=torch.float32), randn(4, 8, dtype=torch.float32)
+    with pytest.raises(ValueError, match="one row"):
+        gemv(randn(2, 8, dtype=torch.float32), w)
+    with pytest.raises(ValueError, match=r"weight must be \[N, 8\]"):
+        gemv(x, randn(4, 9, dtype=torch.float32))
+    with pytest.raises(ValueError, match=r"bias must be \[4\]"):
+        gemv(x, w, randn(5, dtype=torch.float32))
+    with pytest.raises(TypeError, match="one dtype"):
+        gemv(x, w.half())
+    with pytest.raises(ValueError, match="out must be"):
+        gemv(x, w, out=torch.empty(1, 5, device=DEVICE))
+
+
+def test_linear_op_routes_one_row_to_the_gemv():
+    """The layers' entry point: the same numbers as F.linear for one row and for many (on a GPU
+    one row goes through the GEMV, elsewhere everything through F.linear)."""
+    from workers.ops import linear_op
+    w, b = randn(40, 72, dtype=torch.float32), randn(40, dtype=torch.float32)
+    for rows in (1, 3):
+        x = randn(rows, 72, dtype=torch.float32)
+        torch.testing.assert_close(linear_op(x, w, b), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)

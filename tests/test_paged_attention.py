@@ -134,8 +134,10 @@ def test_bad_arguments():
 def test_num_splits_choice():
     assert choose_num_splits(128, 8, 4096, 132) == 1  # enough programs already
     assert choose_num_splits(8, 8, 32768, 132) > 1
-    assert choose_num_splits(1, 8, 8192, 132) > 1
     assert choose_num_splits(1, 8, 64, 132) == 1  # too short to split
+    assert choose_num_splits(1, 8, 640, 132) == 16  # short: one 64-key tile per split
+    assert choose_num_splits(1, 8, 8192, 132) == 32  # long: up to ~2 waves of programs
+    assert choose_num_splits(16, 8, 16384, 132) == 4
 
 
 @pytest.mark.parametrize("window, chunk", [(0, 0), (6, 0), (0, 16)])

@@ -6,6 +6,7 @@ import torch
 from kernels.activation import gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref
 from kernels.kv_store import store_kv, store_kv_ref
 from kernels.gated_rmsnorm import gated_rms_norm, gated_rms_norm_ref
+from kernels.gemv import gemv
 from kernels.layernorm import rms_norm, rms_norm_ref
 from kernels.mamba_conv import (causal_conv1d_update, causal_conv1d_update_ref, causal_conv1d_varlen,
                                 causal_conv1d_varlen_ref)
@@ -38,12 +39,20 @@ ACTIVATIONS = {
 }
 
 
+def linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b): one row on a GPU (a batch-1 decode step) through the Triton GEMV, faster there
+    than cuBLAS (kernels/gemv.py); anything else through F.linear."""
+    if x.is_cuda and x.dim() == 2 and x.shape[0] == 1:
+        return gemv(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 def act_and_mul(name: str):
     if name not in ACTIVATIONS:
         raise ValueError(f"activation {name!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
     return ACTIVATIONS[name]
 
 
-__all__ = ["rms_norm_op", "rotary_op", "store_kv_op", "paged_attention_op", "qk_norm_rope_op", "act_and_mul",
-           "causal_conv1d_varlen_op", "causal_conv1d_update_op", "ssd_scan_varlen_op", "selective_state_update_op",
-           "gated_rms_norm_op", "torch"]
+__all__ = ["linear_op", "rms_norm_op", "rotary_op", "store_kv_op", "paged_attention_op", "qk_norm_rope_op",
+           "act_and_mul", "causal_conv1d_varlen_op", "causal_conv1d_update_op", "ssd_scan_varlen_op",
+           "selective_state_update_op", "gated_rms_norm_op", "torch"]

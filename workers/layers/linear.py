@@ -7,9 +7,9 @@ Fused layers (QKV, gate/up) take each checkpoint tensor with the name of the par
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from workers.ops import linear_op
 from workers.parallel import TPGroup, kv_head_share, split_evenly
 
 
@@ -48,7 +48,7 @@ class ColumnParallelLinear(_ParallelLinear):
         param.data.copy_(full.narrow(0, self.out_start, self.out_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear_op(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -133,7 +133,7 @@ class RowParallelLinear(_ParallelLinear):
         param.data.copy_(full.narrow(1, self.in_start, self.in_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear_op(x, self.weight)
         if self.reduce:
             y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y

@@ -23,8 +23,8 @@ from torch import nn
 from distengine.kv_cache.model_config import MambaShape, StateLayout, mamba_groups_per_rank
 from workers.layers.attention import AttentionMetadata
 from workers.layers.linear import RowParallelLinear
-from workers.ops import (causal_conv1d_update_op, causal_conv1d_varlen_op, gated_rms_norm_op, selective_state_update_op,
-                         ssd_scan_varlen_op)
+from workers.ops import (causal_conv1d_update_op, causal_conv1d_varlen_op, gated_rms_norm_op, linear_op,
+                         selective_state_update_op, ssd_scan_varlen_op)
 from workers.parallel import TPGroup
 
 
@@ -150,7 +150,7 @@ class MambaMixer2(nn.Module):
         if self.conv_state is None or m is None:
             raise RuntimeError(f"{self.prefix}: no Mamba state bound (allocate the cache before running)")
         T, j = x.shape[0], self.mamba_index
-        proj = F.linear(x, self.in_proj.weight, self.in_proj.bias)
+        proj = linear_op(x, self.in_proj.weight, self.in_proj.bias)
         if self.proj_scale is not None:
             proj = proj * self.proj_scale
         z, xbc, dt = proj.split([self.I_local, self.conv_dim, self.H], dim=-1)

@@ -15,7 +15,6 @@ construction: mixture-of-experts is not supported yet.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from distengine.kv_cache.model_config import MAMBA, MLP, MOE, PARALLEL
@@ -23,7 +22,7 @@ from workers.layers.linear import RowParallelLinear
 from workers.layers.mamba import Segmented
 from workers.models.bamba import MambaHybridForCausalLM
 from workers.models.llama import DecoderModel, LlamaAttention, RMSNorm
-from workers.ops import act_and_mul
+from workers.ops import act_and_mul, linear_op
 from workers.parallel import TPGroup, split_evenly
 
 
@@ -51,7 +50,7 @@ class GraniteSharedMLP(nn.Module):
         self.act = act_and_mul(getattr(config, "hidden_act", None) or "silu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.output_linear(self.act(F.linear(x, self.input_linear.weight)))
+        return self.output_linear(self.act(linear_op(x, self.input_linear.weight)))
 
 
 class GraniteMoeHybridDecoderLayer(nn.Module):
