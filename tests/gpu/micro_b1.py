@@ -14,6 +14,7 @@ import torch
 
 from kernels.gemv import gemv
 from kernels.paged_attention import default_config, paged_attention
+from launch.bench_common import copy_bandwidth
 
 REPS = 24
 
@@ -45,21 +46,6 @@ def graph_time_us(fns) -> float:
     return times[len(times) // 2]
 
 
-def copy_bw() -> float:
-    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(10):
-        y.copy_(x)
-    b.record()
-    torch.cuda.synchronize()
-    return 2 * x.numel() * 10 / (a.elapsed_time(b) / 1e3)
-
-
 CONFIGS = [(4, 256, 4, 3), (8, 256, 4, 1), (8, 512, 4, 1), (16, 512, 8, 1), (16, 1024, 8, 1), (32, 1024, 8, 1)]
 # Gemma-3-12B's projections at TP=1 and their shards at TP=2, and the (tied) LM head.
 SHAPES = {"qkv": (8192, 3840), "o_proj": (3840, 4096), "gate_up": (30720, 3840), "down": (3840, 15360),
@@ -69,7 +55,7 @@ SHAPES = {"qkv": (8192, 3840), "o_proj": (3840, 4096), "gate_up": (30720, 3840),
 
 def main() -> int:
     dt, dev = torch.bfloat16, "cuda"
-    bw = copy_bw()
+    bw = copy_bandwidth("cuda")
     print(f"copy {bw / 1e12:.2f} TB/s")
     rows = []
     for name, (N, K) in SHAPES.items():
