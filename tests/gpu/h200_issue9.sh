@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks of the engine (issue 9), for the device tool's machines, from the
 # project root, after `bash .whl/install.sh && export PYTHONPATH=/tmp/site:$PWD`:
-#   bash tests/gpu/h200_issue9.sh dev     # one H200 (~6 min): GPU tests, kernel sweeps, TP=1 figures on random weights
+#   bash tests/gpu/h200_issue9.sh dev     # one H200 (~7 min): GPU tests, kernel sweeps, TP=1 figures on random weights
 #   bash tests/gpu/h200_issue9.sh final   # two H200s (~8 min): all-reduce, TP=2 test, TP=1 (+HF) and TP=2 figures
 #   bash tests/gpu/h200_issue9.sh serve   # one or two H200s (~5 min per TP size): bench serve at 4 rates, +shared prefix
 #   bash tests/gpu/h200_issue9.sh sweep   # two H200s (~10 min): examples/sweep_gemma3_12b.yaml, then sweep_serve.yaml (SWEEPS="latency serve")
@@ -25,11 +25,12 @@ if [ "$mode" = dev ]; then
       > "$OUT/pytest.log" 2>&1; echo "pytest exit $?" >> "$OUT/pytest.log"
   timeout 120 python3 tests/gpu/sweep_decode.py > "$OUT/sweep.log" 2>&1
   timeout 120 python3 tests/gpu/micro_b1.py > "$OUT/micro_b1.log" 2>&1
+  timeout 120 python3 tests/gpu/micro_batch.py > "$OUT/micro_batch.log" 2>&1
   timeout 140 $cli bench latency $rnd $io --batch-size 1 32 128 --output-json "$OUT/lat_tp1.json" > "$OUT/lat_tp1.log" 2>&1
   timeout 110 $cli bench latency $rnd --batch-size 16 --input-len 16384 --output-len 64 --max-num-batched-tokens 16384 \
       --num-iters 1 --num-iters-warmup 0 --output-json "$OUT/lat_16k.json" > "$OUT/lat_16k.log" 2>&1
   timeout 90 python3 tests/gpu/profile_decode.py /tmp/g12d --load-format dummy --batch 1 128 > "$OUT/profile.log" 2>&1
-  summary pytest 6 pytest.log; summary sweep 32 sweep.log; summary micro 60 micro_b1.log; summary profile 26 profile.log
+  summary pytest 6 pytest.log; summary sweep 32 sweep.log; summary micro 60 micro_b1.log; summary "micro batch" 9 micro_batch.log; summary profile 26 profile.log
   summary "16k" 7 lat_16k.log; summary "TP=1" 16 lat_tp1.log
 fi
 
