@@ -1,6 +1,7 @@
 """Small builders shared by the KV cache tests."""
 from __future__ import annotations
 
+from distengine.kv_cache.block_pool import FreeBlockQueue
 from distengine.kv_cache.manager import KVCacheManager
 from distengine.kv_cache.model_config import CHUNKED, FULL, MAMBA, SLIDING, LayerKV, MambaShape, ModelKVConfig
 from distengine.kv_cache.plan import KVCachePlan, make_plan
@@ -51,3 +52,19 @@ def decode(mgr: KVCacheManager, req: Request, token: int = 7):
 def held(mgr: KVCacheManager, request_id: str) -> list[int]:
     """Real blocks per group of a request's tables."""
     return [sum(1 for b in t if b) for t in mgr.get_block_ids(request_id)]
+
+
+def free_ids(queue: FreeBlockQueue) -> list[int]:
+    """The free block ids in pop order, walking the queue node by node (checking its links) and
+    counting the never-used range for its sentinel, without creating any block."""
+    ids, prev, node = [], queue.head, queue.head.next
+    while node is not queue.tail:
+        assert node is not None and node.prev is prev, "free queue links broken"
+        if node is queue.fresh:
+            ids.extend(range(queue.fresh_start, queue.num_blocks))
+        elif node is not queue.mid:
+            ids.append(node.block_id)
+        assert len(ids) <= queue.num_blocks, "free queue cycles"
+        prev, node = node, node.next
+    assert queue.tail.prev is prev
+    return ids

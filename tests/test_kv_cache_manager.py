@@ -175,10 +175,14 @@ def test_freed_blocks_order_and_bands():
 
 
 def _band_of(pool, block_id: int) -> int | None:
-    node, band = pool.free_queue.head.next, EVICT_FIRST
-    while node is not pool.free_queue.tail:
-        if node is pool.free_queue.mid:
+    queue = pool.free_queue
+    node, band = queue.head.next, EVICT_FIRST
+    while node is not queue.tail:
+        if node is queue.mid:
             band = NORMAL
+        elif node is queue.fresh:  # stands for the never-used blocks, not created yet
+            if block_id >= queue.fresh_start:
+                return band
         elif node.block_id == block_id:
             return band
         node = node.next

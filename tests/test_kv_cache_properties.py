@@ -11,7 +11,8 @@ data computed from the request's own prefix.
 Checked after every step:
 1. each non-null block is in use (ref > 0, not queued), free and cached (ref 0, queued, its hash
    maps back to it), or free and uncached (ref 0, queued, no hash); the free queue is a well-formed
-   list without duplicates whose count is its length;
+   list without duplicates whose count is its length (the never-used blocks, not created yet,
+   count as free: they sit behind one sentinel node, after every unhashed block);
 2. each ref count equals the number of table entries holding the block;
 3. every prefix hit returns blocks holding exactly the request's tokens (and, since hashes chain,
    computed from the request's whole prefix, under the same cache salt); every registered hash
@@ -39,6 +40,7 @@ from distengine.kv_cache.hashing import extend_block_hashes
 from distengine.kv_cache.model_config import CHUNKED, FULL, MAMBA, SLIDING, LayerKV, MambaShape, ModelKVConfig
 from distengine.kv_cache.specs import ChunkedLocalAttentionSpec, MambaSpec, SlidingWindowSpec, cdiv
 from distengine.request import Request
+from tests.helpers import free_ids
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -176,8 +178,10 @@ class KVCacheMachine(RuleBasedStateMachine):
                     yield m.group_ids[j], rid, table
 
     def _snapshot(self):
-        return ([b.ref_cnt for b in self.pool.blocks], self.pool.num_free_blocks,
-                [b.block_id for b in self.pool.free_queue],
+        # Created blocks only, and the free ids in pop order: iterating pool.blocks or the queue
+        # would create every never-used block, and the lazy path would go untested after that.
+        return ([b.ref_cnt for b in self.pool.free_queue.created], self.pool.num_free_blocks,
+                free_ids(self.pool.free_queue),
                 sorted((g, rid, tuple(b.block_id for b in t)) for g, rid, t in self._all_tables()),
                 {rid: self.mgr.get_block_ids(rid) for rid in self.running})
 
@@ -391,6 +395,15 @@ class KVCacheMachine(RuleBasedStateMachine):
         self._preempt(self.running[data.draw(st.sampled_from(sorted(self.running)), label="request")])
 
     @precondition(_ready)
+    @rule(data=st.data())
+    def look_up_block(self, data):
+        """Index pool.blocks as tests and debugging do: a never-used block is created, with the
+        ones before it, where the queue would hold it."""
+        bid = data.draw(st.integers(0, self.num_blocks - 1), label="block id")
+        assert self.pool.blocks[bid].block_id == bid
+        assert self.pool.free_queue.fresh_start > bid
+
+    @precondition(_ready)
     @rule()
     def reset_prefix_cache(self):
         holding = any(b is not self.null for _, _, t in self._all_tables() for b in t)
@@ -402,7 +415,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     # ---- invariants ------------------------------------------------------------------------
     def _check_no_hashes(self):
         assert all(not table for table in self.pool.cached)
-        assert all(b.block_hash is None for b in self.pool.blocks)
+        assert all(b.block_hash is None for b in self.pool.free_queue.created)  # never-used ones have none
 
     @invariant()
     def pool_is_consistent(self):
@@ -410,22 +423,29 @@ class KVCacheMachine(RuleBasedStateMachine):
             return
         pool, null = self.pool, self.null
         queue = pool.free_queue
-        # The free queue is a well-formed doubly linked list.
-        queued, prev, node = [], queue.head, queue.head.next
-        while node is not queue.tail:
-            assert node is not None and node.prev is prev, "free queue links broken"
-            if node is not queue.mid:
-                queued.append(node)
-            assert len(queued) <= self.num_blocks, "free queue cycles"
-            prev, node = node, node.next
-        assert queue.tail.prev is prev
-        ids = [b.block_id for b in queued]
+        # The free queue is a well-formed doubly linked list (checked by free_ids), the
+        # never-used blocks' sentinel in the evict-first band after every unhashed block.
+        ids = free_ids(queue)
         assert len(ids) == len(set(ids)), f"block twice in the free queue: {ids}"
         assert queue.num_free_blocks == len(ids) == self.mgr.num_free_blocks
         assert null.block_id not in ids and null.ref_cnt == 0 and null.block_hash is None
+        fresh = range(queue.fresh_start, self.num_blocks)
+        assert len(queue.created) == queue.fresh_start and pool.blocks[0] is null
+        assert (queue.fresh.prev is not None) == bool(fresh), "the sentinel outlives the never-used blocks"
+        if fresh:
+            node = queue.fresh.prev
+            while node is not queue.head:
+                assert node.block_hash is None, f"cached block {node.block_id} ahead of never-used ones"
+                node = node.prev
+            node = queue.fresh
+            while node is not queue.mid:
+                assert node is not queue.tail, "never-used blocks in the normal band"
+                node = node.next
         free = set(ids)
         refs = Counter(b.block_id for _, _, t in self._all_tables() for b in t if b is not null)
-        for block in pool.blocks[1:]:
+        # Never-used blocks (free_ids counts them free): in no table, never written.
+        assert all(bid < queue.fresh_start for bid in refs) and all(bid < queue.fresh_start for bid in self.content)
+        for block in queue.created[1:]:
             bid = block.block_id
             assert block.ref_cnt == refs[bid], f"block {bid}: ref {block.ref_cnt}, {refs[bid]} table entries"
             if block.ref_cnt > 0:
@@ -442,7 +462,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         for g, table in enumerate(pool.cached):
             for h, block in table.items():
                 assert block is not null and block.block_hash == h and block.group_id == g
-        in_use = sum(1 for b in pool.blocks[1:] if b.ref_cnt > 0)
+        in_use = sum(1 for b in queue.created[1:] if b.ref_cnt > 0)
         assert self.mgr.num_free_blocks == self.num_blocks - 1 - in_use
         assert abs(self.mgr.usage - in_use / (self.num_blocks - 1)) < 1e-9
         if not self.caching:

@@ -7,10 +7,14 @@ Free blocks wait in one queue, least recently freed first, split in two bands: b
 marks as unlikely to be hit again (sliding-window blocks from the middle of a request) are evicted
 before everything else. A freed block keeps its hash, and so stays findable by a prefix-cache
 lookup, until it is popped for reuse.
+
+Blocks are created on first use (see FreeBlockQueue), so a pool of millions costs nothing up front.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import operator
+from collections.abc import Iterable, Iterator, Sequence
+from typing import overload
 
 
 class KVCacheBlock:
@@ -34,31 +38,81 @@ NORMAL = 1
 
 
 class FreeBlockQueue:
-    """Doubly linked list: head | band EVICT_FIRST | mid | band NORMAL | tail.
+    """Doubly linked list: head | unhashed | fresh | band EVICT_FIRST | mid | band NORMAL | tail.
 
-    `popleft` takes the front (unhashed blocks, then the evict-first band, then normal blocks,
-    each least recently freed first); `remove` takes a block out of the middle in O(1) when a
-    prefix hit reuses it.
+    `popleft` takes the front: unhashed freed blocks (most recently freed first: `appendleft`),
+    then never-used blocks by id, then the evict-first band, then normal blocks (each band least
+    recently freed first); `remove` takes a block out of the middle in O(1) when a prefix hit
+    reuses it.
+
+    Blocks are created lazily: a pool can hold ~100 million of them (a tiny model on a large GPU),
+    too many Python objects to build up front. The never-used ("fresh") blocks are always the id
+    range [fresh_start, num_blocks), in id order, between the unhashed blocks and the evict-first
+    band: `appendleft` inserts before them, `append` after them, and `remove` only sees blocks
+    handed out before. So the sentinel `fresh` stands for the whole range, and is unlinked for
+    good once the range is used up. `created` holds every block created so far, by id.
     """
 
-    def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
-        self.head, self.mid, self.tail = KVCacheBlock(-1), KVCacheBlock(-2), KVCacheBlock(-3)
-        self.head.next, self.mid.prev = self.mid, self.head
+    def __init__(self, created: list[KVCacheBlock], num_blocks: int) -> None:
+        # `created`: the blocks that exist already, ids 0.., none of them free; the rest are fresh.
+        self.created, self.num_blocks = created, num_blocks
+        self.head, self.fresh = KVCacheBlock(-1), KVCacheBlock(-4)
+        self.mid, self.tail = KVCacheBlock(-2), KVCacheBlock(-3)
+        self.head.next, self.fresh.prev = self.fresh, self.head
+        self.fresh.next, self.mid.prev = self.mid, self.fresh
         self.mid.next, self.tail.prev = self.tail, self.mid
         self._band_end = (self.mid, self.tail)
-        self.num_free_blocks = 0
-        # Never-used blocks go first, ahead of every block that still holds a cached hash.
-        for block in blocks:
-            self.append(block, EVICT_FIRST)
+        self.num_free_blocks = num_blocks - len(created)
+        if not self.num_free_blocks:
+            self._unlink_fresh()
+
+    @property
+    def fresh_start(self) -> int:
+        """The first never-used block id: blocks below it exist, blocks from it on do not yet."""
+        return len(self.created)
 
     def popleft(self) -> KVCacheBlock:
         block = self.head.next
+        if block is self.fresh:
+            # The next never-used block, created now, never linked. Inline rather than a method:
+            # with a huge pool nearly every pop takes this path.
+            created = self.created
+            block = KVCacheBlock(len(created))
+            created.append(block)
+            self.num_free_blocks -= 1
+            if len(created) == self.num_blocks:
+                self._unlink_fresh()
+            return block
         if block is self.mid:
             block = block.next
         if block is self.tail:
             raise ValueError("no free blocks left")
-        self.remove(block)
+        # remove(block), inline: the call saved per block pays for the `fresh` check above.
+        prev, nxt = block.prev, block.next
+        prev.next, nxt.prev = nxt, prev
+        block.prev = block.next = None
+        self.num_free_blocks -= 1
         return block
+
+    def materialise(self, block_id: int) -> None:
+        """Create the fresh blocks up to `block_id` and link them where they would be had they
+        existed from the start: just before `fresh`, in id order, after any created earlier and
+        still free. They stay free: the count is unchanged."""
+        created, fresh = self.created, self.fresh
+        if block_id < len(created):
+            return
+        for i in range(len(created), block_id + 1):
+            block = KVCacheBlock(i)
+            prev = fresh.prev
+            prev.next, block.prev, block.next, fresh.prev = block, prev, fresh, block
+            created.append(block)
+        if len(created) == self.num_blocks:
+            self._unlink_fresh()
+
+    def _unlink_fresh(self) -> None:
+        fresh = self.fresh
+        fresh.prev.next, fresh.next.prev = fresh.next, fresh.prev
+        fresh.prev = fresh.next = None
 
     def remove(self, block: KVCacheBlock) -> None:
         prev, nxt = block.prev, block.next
@@ -77,12 +131,62 @@ class FreeBlockQueue:
         self.head.next, block.prev, block.next, nxt.prev = block, self.head, nxt, block
         self.num_free_blocks += 1
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        """Every free block in pop order. Fresh blocks are created (see `materialise`) one by one
+        as the walk reaches them, so walking to the end creates the whole pool: for tests and
+        debugging, not for a pool of millions of blocks."""
         block = self.head.next
         while block is not self.tail:
+            if block is self.fresh:
+                self.materialise(len(self.created))
+                block = self.created[-1]
             if block is not self.mid:
                 yield block
             block = block.next
+
+
+class PoolBlocks(Sequence[KVCacheBlock]):
+    """`pool.blocks`: the pool's blocks indexed by id, read-only. Block i is created on first
+    access, with every fresh block before it (`FreeBlockQueue.materialise` keeps the queue order
+    exact). Iterating, or slicing to the end, creates every block: for tests and debugging; the
+    engine itself only touches blocks it was handed."""
+
+    __slots__ = ("_queue",)
+
+    def __init__(self, queue: FreeBlockQueue) -> None:
+        self._queue = queue
+
+    def __len__(self) -> int:
+        return self._queue.num_blocks
+
+    @overload
+    def __getitem__(self, index: int) -> KVCacheBlock: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[KVCacheBlock]: ...
+
+    def __getitem__(self, index):
+        queue, created = self._queue, self._queue.created
+        if isinstance(index, slice):
+            ids = range(*index.indices(queue.num_blocks))
+            if ids:
+                queue.materialise(max(ids))
+            return [created[i] for i in ids]
+        i = operator.index(index)
+        if i < 0:
+            i += queue.num_blocks
+        if not 0 <= i < queue.num_blocks:
+            raise IndexError(f"block {index} out of range: the pool has {queue.num_blocks}")
+        if i >= len(created):
+            queue.materialise(i)
+        return created[i]
+
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def __repr__(self) -> str:
+        return f"PoolBlocks({self._queue.num_blocks} blocks, {self._queue.fresh_start} created)"
 
 
 class BlockPool:
@@ -91,9 +195,10 @@ class BlockPool:
             raise ValueError(f"the pool needs at least 2 blocks (one is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.null_block = self.blocks[0]
-        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.null_block = KVCacheBlock(0)
+        # Every other block is created when first popped or looked up (see FreeBlockQueue).
+        self.free_queue = FreeBlockQueue([self.null_block], num_blocks)
+        self.blocks = PoolBlocks(self.free_queue)
         # Per group: block hash -> the block that holds it.
         self.cached: list[dict[int, KVCacheBlock]] = [{} for _ in range(num_groups)]
 
@@ -176,7 +281,8 @@ class BlockPool:
             return False
         for table in self.cached:
             table.clear()
-        for block in self.blocks:
+        # Only created blocks can hold a hash: the fresh ones are left uncreated.
+        for block in self.free_queue.created:
             block.block_hash = None
             block.group_id = -1
         return True
