@@ -1,17 +1,23 @@
-"""y = x W^T (+ b) for a single row x: a batch-1 decode step's projections.
+"""y = x W^T (+ b) for the few rows of a decode step: `gemv` for one row, `skinny_gemm` for 2-32.
 
-Why a Triton kernel: at one row a projection only streams its weight, and cuBLAS picks tiles
+Why Triton kernels: at a few rows a projection only streams its weight, and cuBLAS picks tiles
 made for wider products (64 or more output columns per tile, split-K with a second reduce
 kernel for the narrow matrices). Timed inside CUDA graphs on one H200, 24 calls each on its own
-weights (`tests/gpu/micro_b1.py`), Gemma-3-12B's shapes: o_proj 10.1 us against F.linear's 13.4,
-down_proj 29.2 against 34.2, gate_up 54.8 against 58.0, qkv 17.2 against 17.7: the weight read
-at 3.1 / 4.0 / 4.3 / 3.7 TB/s (copy 4.24 TB/s); a batch-1 decode step of the whole model 7.15 ms
-against 7.95. The layers call it for one row (`workers.ops.linear_op`); more rows, and the LM
-head (0.45 ms in cuBLAS, at the copy rate already), go to F.linear.
+weights (`tests/gpu/micro_b1.py`), Gemma-3-12B's shapes, one row: o_proj 10.1 us against
+F.linear's 13.4, down_proj 29.2 against 34.2, gate_up 54.8 against 58.0, qkv 17.2 against 17.7:
+the weight read at 3.1 / 4.0 / 4.3 / 3.7 TB/s (copy 4.24 TB/s); a batch-1 decode step of the
+whole model 7.15 ms against 7.95. At 2 / 8 / 16 / 32 rows (`tests/gpu/micro_batch.py`) a layer's
+four projections take 115.4 / 116.8 / 118.1 / 123.0 us against cuBLAS's 124.3 / 124.7 / 128.2 /
+128.8 (copy-rate time 105.1), and the decode step at batch 4 / 8 / 16 / 32 is 7.65 / 7.97 / 8.57 /
+9.74 ms against 8.21 / 8.49 / 9.10 / 10.06; from 64 rows on cuBLAS is as fast. The layers call
+them through `workers.ops.linear_op`; more rows, and the LM head (0.45 ms in cuBLAS at one row,
+at the copy rate already), go to F.linear.
 
-One program owns BLOCK_N output columns and walks K in BLOCK_K steps, accumulating x * W in
-fp32 registers and reducing across K once at the end, so every weight element is read once and
-the partial sums never leave the program. The weight's rows must be contiguous (any row stride).
+`gemv`: one program owns BLOCK_N output columns and walks K in BLOCK_K steps, accumulating x * W
+in fp32 registers and reducing across K once at the end, so every weight element is read once
+and the partial sums never leave the program. `skinny_gemm`: the same walk with the rows padded
+to a 16- or 32-row tile and the product on the tensor cores (`tl.dot`), the weight tile first
+(SWAP) where that was faster. The weight's rows must be contiguous (any row stride).
 """
 from __future__ import annotations
 
@@ -20,7 +26,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-__all__ = ["gemv", "gemv_ref", "gemv_config"]
+from kernels.paged_attention import _interpreter_bf16
+
+__all__ = ["gemv", "gemv_ref", "gemv_config", "skinny_gemm", "skinny_gemm_ref", "skinny_config", "SKINNY_MAX_ROWS"]
 
 
 @triton.jit
@@ -55,9 +63,11 @@ def gemv_config(n: int, k: int) -> dict:
     return {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4, "num_stages": 1}
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    if x.dim() != 2 or x.shape[0] != 1:
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int = 1) -> None:
+    if max_rows == 1 and (x.dim() != 2 or x.shape[0] != 1):
         raise ValueError(f"gemv takes one row x [1, K], got {tuple(x.shape)}")
+    if x.dim() != 2 or not 1 <= x.shape[0] <= max_rows:
+        raise ValueError(f"skinny_gemm takes 1 to {max_rows} rows x [M, K], got {tuple(x.shape)}")
     if weight.dim() != 2 or weight.shape[1] != x.shape[1]:
         raise ValueError(f"weight must be [N, {x.shape[1]}], got {tuple(weight.shape)}")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
@@ -94,6 +104,103 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The same product in fp32 (fp64 for fp64 inputs), rounded once to x's dtype."""
     _check(x, weight, bias)
+    return _linear_ref(x, weight, bias)
+
+
+def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`skinny_gemm`'s product in fp32 (fp64 for fp64 inputs), rounded once to x's dtype."""
+    _check(x, weight, bias, SKINNY_MAX_ROWS)
+    return _linear_ref(x, weight, bias)
+
+
+def _linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     y = F.linear(x.to(acc), weight.to(acc), None if bias is None else bias.to(acc))
     return y.to(x.dtype)
+
+
+SKINNY_MAX_ROWS = 32  # the tiles below were timed up to 32 rows; F.linear beyond
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                   HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, SWAP: tl.constexpr, DOT_F32: tl.constexpr,
+                   PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = rm < M, rn < N
+    x_rows = x_ptr + rm[:, None] * stride_xm
+    w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(0, K, BLOCK_K):
+        kk = k + rk
+        if EVEN:  # N and K are whole tiles: only the padding rows of x are masked
+            x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None], other=0.0)
+            w = tl.load(w_rows + kk[None, :])
+        else:
+            k_ok = kk < K
+            x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if DOT_F32:
+            x, w = x.to(tl.float32), w.to(tl.float32)
+        if SWAP:
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    if SWAP:
+        acc = tl.trans(acc)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def skinny_config(n: int, k: int, elem_bytes: int = 2, rows: int = 16) -> dict:
+    """Tiles from an H200 sweep in CUDA graphs at 8, 16 and 32 rows (tests/gpu/sweep_skinny.py):
+    narrow outputs (o_proj, down_proj: N 3840) want 32 columns and a deep pipeline, wider ones 64
+    columns; 4 warps, 256-key steps. Stages are cut to what fits in ~200 KB of shared memory (fp32
+    weights take twice the bytes of bf16)."""
+    if n <= 4096:
+        cfg = {"BLOCK_N": 32, "BLOCK_K": 256, "SWAP": True, "num_warps": 4, "num_stages": 6}
+    elif n <= 16384:
+        cfg = {"BLOCK_N": 64, "BLOCK_K": 256, "SWAP": True, "num_warps": 4, "num_stages": 4}
+    else:
+        cfg = {"BLOCK_N": 64, "BLOCK_K": 256, "SWAP": False, "num_warps": 4, "num_stages": 3}
+    block_m = 16 if rows <= 16 else 32
+    per_stage = (block_m + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * elem_bytes
+    cfg["num_stages"] = max(1, min(cfg["num_stages"], (200 << 10) // per_stage))
+    return cfg
+
+
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """x[M, K] @ weight[N, K]^T (+ bias[N]) for 1 <= M <= SKINNY_MAX_ROWS -> `out` or a new [M, N]
+    tensor, x's dtype (fp32 sums; fp32 inputs multiply in full precision, not TF32)."""
+    _check(x, weight, bias, SKINNY_MAX_ROWS)
+    m, k = x.shape
+    n = weight.shape[0]
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif tuple(out.shape) != (m, n) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"out must be a [{m}, {n}] {x.dtype} tensor with contiguous rows, "
+                         f"got {tuple(out.shape)} {out.dtype}")
+    if n == 0:
+        return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    cfg = config or skinny_config(n, k, x.element_size(), m)
+    block_m = 16 if m <= 16 else 32
+    _skinny_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+        x, weight, bias if bias is not None else x, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, EVEN=(n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0),
+        SWAP=cfg["SWAP"], DOT_F32=_interpreter_bf16(x), PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
+    return out

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernels.activation import gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref
-from kernels.gemv import gemv, gemv_ref
+from kernels.gemv import SKINNY_MAX_ROWS, gemv, gemv_ref, skinny_config, skinny_gemm, skinny_gemm_ref
 from kernels.kv_store import store_kv, store_kv_ref
 from kernels.layernorm import rms_norm, rms_norm_ref
 from kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
@@ -346,10 +346,77 @@ def test_gemv_bad_arguments():
 
 
 def test_linear_op_routes_one_row_to_the_gemv():
-    """The layers' entry point: the same numbers as F.linear for one row and for many (on a GPU
-    one row goes through the GEMV, elsewhere everything through F.linear)."""
+    """The layers' entry point: the same numbers as F.linear for one row, a few and many (on a
+    GPU one row goes through the GEMV, 2 to 32 through the skinny GEMM, elsewhere everything
+    through F.linear)."""
     from workers.ops import linear_op
     w, b = randn(40, 72, dtype=torch.float32), randn(40, dtype=torch.float32)
-    for rows in (1, 3):
+    for rows in (1, 3, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1):
         x = randn(rows, 72, dtype=torch.float32)
         torch.testing.assert_close(linear_op(x, w, b), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- skinny GEMM (2-32 rows)
+
+SWAPPED = {"BLOCK_N": 32, "BLOCK_K": 256, "SWAP": True, "num_warps": 4, "num_stages": 2}
+STRAIGHT = {"BLOCK_N": 64, "BLOCK_K": 256, "SWAP": False, "num_warps": 4, "num_stages": 2}
+
+
+@pytest.mark.parametrize("impl", [skinny_gemm, skinny_gemm_ref], ids=["triton", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m,n,k,cfg", [
+    (3, 37, 300, None),  # ragged N and K: masked columns and a partial last K step
+    (16, 64, 512, None),  # whole tiles (the unmasked path), a full 16-row tile
+    (17, 40, 256, SWAPPED),  # a 32-row tile with 15 padding rows
+    (32, 50, 513, STRAIGHT),  # the product without the swap, ragged
+    (2, 4100, 96, None),  # N past the first tile rule
+])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_skinny_gemm(impl, dtype, m, n, k, cfg, bias):
+    """Against float64 F.linear; the weight's and x's rows strided (views of wider matrices, the
+    rest NaN), the output a row-strided view poisoned with NaN, its neighbours checked untouched."""
+    wide_x = torch.full((m, k + 8), float("nan"), device=DEVICE, dtype=dtype)
+    wide_x[:, :k] = randn(m, k, dtype=dtype)
+    x = wide_x[:, :k]
+    wide_w = torch.full((n, k + 24), float("nan"), device=DEVICE, dtype=dtype)
+    wide_w[:, :k] = randn(n, k, dtype=dtype)
+    w = wide_w[:, :k]
+    b = randn(n, dtype=dtype) if bias else None
+    ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+    if impl is skinny_gemm_ref:
+        check(impl(x, w, b), ref, dtype)
+        return
+    wide_out = torch.full((m, n + 5), float("nan"), device=DEVICE, dtype=dtype)
+    out = wide_out[:, :n]
+    got = skinny_gemm(x, w, b, out=out, config=cfg)
+    assert got.data_ptr() == out.data_ptr()
+    check(got, ref, dtype)
+    assert torch.isnan(wide_out[:, n:]).all(), "wrote outside the output rows"
+
+
+def test_skinny_config_fits_shared_memory():
+    """The tile rule per shape, and its stages cut for fp32 weights (twice the bytes per stage)."""
+    assert skinny_config(3840, 15360)["BLOCK_N"] == 32 and skinny_config(8192, 3840)["BLOCK_N"] == 64
+    assert not skinny_config(30720, 3840)["SWAP"]
+    for n in (3840, 8192, 30720):
+        for elem, rows in ((2, 8), (2, 32), (4, 32)):
+            cfg = skinny_config(n, 4096, elem, rows)
+            block_m = 16 if rows <= 16 else 32
+            assert (block_m + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * elem * cfg["num_stages"] <= 200 << 10
+    assert skinny_config(3840, 4096, 4, 32)["num_stages"] < skinny_config(3840, 4096, 2, 8)["num_stages"]
+
+
+def test_skinny_gemm_bad_arguments():
+    w = randn(4, 8, dtype=torch.float32)
+    with pytest.raises(ValueError, match="1 to 32 rows"):
+        skinny_gemm(randn(SKINNY_MAX_ROWS + 1, 8, dtype=torch.float32), w)
+    with pytest.raises(ValueError, match="1 to 32 rows"):
+        skinny_gemm(randn(0, 8, dtype=torch.float32), w)
+    with pytest.raises(ValueError, match="1 to 32 rows"):
+        skinny_gemm_ref(randn(SKINNY_MAX_ROWS + 1, 8, dtype=torch.float32), w)
+    with pytest.raises(ValueError, match=r"weight must be \[N, 8\]"):
+        skinny_gemm(randn(3, 8, dtype=torch.float32), randn(4, 9, dtype=torch.float32))
+    with pytest.raises(TypeError, match="one dtype"):
+        skinny_gemm(randn(3, 8, dtype=torch.float32), w.half())
+    with pytest.raises(ValueError, match="out must be"):
+        skinny_gemm(randn(3, 8, dtype=torch.float32), w, out=torch.empty(3, 5, device=DEVICE))

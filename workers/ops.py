@@ -6,7 +6,7 @@ import torch
 from kernels.activation import gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref
 from kernels.kv_store import store_kv, store_kv_ref
 from kernels.gated_rmsnorm import gated_rms_norm, gated_rms_norm_ref
-from kernels.gemv import gemv
+from kernels.gemv import SKINNY_MAX_ROWS, gemv, skinny_gemm
 from kernels.layernorm import rms_norm, rms_norm_ref
 from kernels.mamba_conv import (causal_conv1d_update, causal_conv1d_update_ref, causal_conv1d_varlen,
                                 causal_conv1d_varlen_ref)
@@ -40,10 +40,11 @@ ACTIVATIONS = {
 
 
 def linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b): one row on a GPU (a batch-1 decode step) through the Triton GEMV, faster there
-    than cuBLAS (kernels/gemv.py); anything else through F.linear."""
-    if x.is_cuda and x.dim() == 2 and x.shape[0] == 1:
-        return gemv(x, weight, bias)
+    """x W^T (+ b): on a GPU one row (a batch-1 decode step) through the Triton GEMV and 2 to 32
+    rows through the skinny GEMM, faster there than cuBLAS (kernels/gemv.py); anything else
+    through F.linear."""
+    if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_ROWS:
+        return gemv(x, weight, bias) if x.shape[0] == 1 else skinny_gemm(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
 
 

@@ -2,7 +2,8 @@
 their own weights / caches (as `micro_b1.py` does for batch 1), against the copy-rate time of the
 bytes they must read:
 
-- cuBLAS (`F.linear`) at Gemma-3-12B's projection shapes for 1..128 rows;
+- cuBLAS (`F.linear`) against the layers' `linear_op` (the Triton gemv / skinny GEMM up to 32 rows)
+  at Gemma-3-12B's projection shapes and their TP=2 shards, 1..128 rows;
 - decode paged attention (Gemma-3's 16 query / 8 KV heads of 256, block 16) at batch 8..128, the
   engine's split choice against fixed split counts and tile shapes.
 
@@ -16,34 +17,39 @@ import torch
 
 from kernels.paged_attention import default_config, paged_attention
 from launch.bench_common import copy_bandwidth
+from workers.ops import linear_op
 from tests.gpu.micro_b1 import REPS, graph_time_us
 
 SHAPES = {"qkv": (8192, 3840), "o_proj": (3840, 4096), "gate_up": (30720, 3840), "down": (3840, 15360)}
-ROWS = (1, 8, 16, 32, 64, 128)
+TP2 = {"qkv/2": (4096, 3840), "o_proj/2": (3840, 2048), "gate_up/2": (15360, 3840), "down/2": (3840, 7680)}
+ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 def linear_rows(bw: float) -> None:
+    """cuBLAS against what the layers run (`linear_op`: gemv at 1 row, skinny_gemm at 2-32)."""
     dt, dev = torch.bfloat16, "cuda"
-    print(f"{'op':10} " + " ".join(f"{'M=' + str(m):>14}" for m in ROWS) + "   (us/call, x ideal)")
-    total = {m: 0.0 for m in ROWS}
-    ideal_total = 0.0
-    for name, (N, K) in SHAPES.items():
+    print(f"{'op':10} {'rows':>4} {'ideal':>7} {'F.linear':>9} {'linear_op':>10} {'ratio':>6}")
+    sums: dict[tuple[str, int], list[float]] = {}
+    for name, (N, K) in {**SHAPES, **TP2}.items():
         ws = [torch.randn(N, K, device=dev, dtype=dt) * 0.02 for _ in range(REPS)]
         ideal = N * K * 2 / bw * 1e6
-        ideal_total += ideal
-        cells = []
         for m in ROWS:
             x = torch.randn(m, K, device=dev, dtype=dt)
             ys = [torch.empty(m, N, device=dev, dtype=dt) for _ in range(REPS)]
-            t = graph_time_us([lambda w=w, y=y: torch.nn.functional.linear(x, w, out=y) for w, y in zip(ws, ys)])
-            total[m] += t
-            cells.append(f"{t:7.1f} {t / ideal:5.2f}x")
-        print(f"{name:10} " + " ".join(f"{c:>14}" for c in cells))
+            ref = torch.nn.functional.linear(x.float(), ws[0].float())
+            err = (linear_op(x, ws[0]).float() - ref).abs().max().item()
+            assert err <= 0.02 * ref.abs().max().item(), f"{name} rows {m}: wrong ({err})"
+            t_ref = graph_time_us([lambda w=w, y=y: torch.nn.functional.linear(x, w, out=y) for w, y in zip(ws, ys)])
+            t_op = graph_time_us([lambda w=w: linear_op(x, w) for w in ws])
+            key = ("TP=2" if "/" in name else "TP=1", m)
+            acc = sums.setdefault(key, [0.0, 0.0, 0.0])
+            acc[0] += ideal; acc[1] += t_ref; acc[2] += t_op
+            print(f"{name:10} {m:4} {ideal:7.1f} {t_ref:9.1f} {t_op:10.1f} {t_op / t_ref:6.2f}")
         del ws
         torch.cuda.empty_cache()
-    print(f"{'layer':10} " + " ".join(f"{total[m]:7.1f} {total[m] / ideal_total:5.2f}x" for m in ROWS))
-    print("48 layers: " + " ".join(f"{48 * total[m] / 1e3:6.2f} ms" for m in ROWS)
-          + f"  (ideal {48 * ideal_total / 1e3:.2f} ms)")
+    print(f"\n{'layer':6} {'rows':>4} {'ideal':>7} {'F.linear':>9} {'linear_op':>10} {'ratio':>6}  (4 projections, us)")
+    for (tp, m), (ideal, t_ref, t_op) in sums.items():
+        print(f"{tp:6} {m:4} {ideal:7.1f} {t_ref:9.1f} {t_op:10.1f} {t_op / t_ref:6.2f}")
 
 
 def attention_batches(bw: float) -> None:

@@ -1,0 +1,59 @@
+"""On a GPU: tile sweep of `kernels.gemv.skinny_gemm` against cuBLAS at Gemma-3-12B's projection
+shapes, each configuration timed inside a CUDA graph of calls on their own weights (as
+`micro_b1.py`). `skinny_config`'s rule is the best of this sweep per shape (one H200).
+
+    python tests/gpu/sweep_skinny.py [ROWS ...]     # default 8 16 32
+"""
+from __future__ import annotations
+
+import itertools
+import sys
+
+import torch
+
+from kernels.gemv import skinny_gemm
+from launch.bench_common import copy_bandwidth
+from tests.gpu.micro_b1 import REPS, graph_time_us
+
+SHAPES = {"qkv": (8192, 3840), "o_proj": (3840, 4096), "gate_up": (30720, 3840), "down": (3840, 15360)}
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP)
+CONFIGS = ([(bn, bk, w, st, True) for bn, bk, w, st in itertools.product((16, 32), (256, 512, 1024), (4, 8), (3, 4, 6))]
+           + [(64, 256, 4, st, sw) for st, sw in itertools.product((2, 3, 4, 5), (False, True))])
+
+
+def main() -> int:
+    dt, dev = torch.bfloat16, "cuda"
+    bw = copy_bandwidth("cuda")
+    print(f"copy {bw / 1e12:.2f} TB/s", flush=True)
+    for name, (N, K) in SHAPES.items():
+        ws = [torch.randn(N, K, device=dev, dtype=dt) * 0.02 for _ in range(REPS)]
+        ideal = N * K * 2 / bw * 1e6
+        for m in [int(a) for a in sys.argv[1:]] or [8, 16, 32]:
+            x = torch.randn(m, K, device=dev, dtype=dt)
+            ys = [torch.empty(m, N, device=dev, dtype=dt) for _ in range(REPS)]
+            ref = torch.nn.functional.linear(x.float(), ws[0].float())
+            t_cublas = graph_time_us([lambda w=w, y=y: torch.nn.functional.linear(x, w, out=y) for w, y in zip(ws, ys)])
+            res = []
+            for bn, bk, warps, stages, swap in CONFIGS:
+                cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages, "SWAP": swap}
+                try:
+                    y = skinny_gemm(x, ws[0], out=ys[0], config=cfg)
+                except Exception as e:  # a configuration out of shared memory
+                    print(f"  {name} rows {m} {cfg}: {type(e).__name__}", flush=True)
+                    continue
+                if (y.float() - ref).abs().max().item() > 0.02 * ref.abs().max().item():
+                    print(f"  {name} rows {m} {cfg}: wrong", flush=True)
+                    continue
+                t = graph_time_us([lambda w=w, y=y, cfg=cfg: skinny_gemm(x, w, out=y, config=cfg)
+                                   for w, y in zip(ws, ys)])
+                res.append((t, (bn, bk, warps, stages, swap)))
+            res.sort()
+            print(f"{name:8} rows {m:<3} ideal {ideal:6.1f}  cuBLAS {t_cublas:6.1f}  best "
+                  + "  ".join(f"{t:6.1f} {c}" for t, c in res[:3]), flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
