@@ -122,6 +122,11 @@ def _linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 SKINNY_MAX_ROWS = 32  # the tiles below were timed up to 32 rows; F.linear beyond
 
 
+def _skinny_block_m(rows: int) -> int:
+    """The rows' tile: tl.dot needs 16 at least; two sizes keep the compiled variants few."""
+    return 16 if rows <= 16 else 32
+
+
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                    HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, SWAP: tl.constexpr, DOT_F32: tl.constexpr,
@@ -171,8 +176,7 @@ def skinny_config(n: int, k: int, elem_bytes: int = 2, rows: int = 16) -> dict:
         cfg = {"BLOCK_N": 64, "BLOCK_K": 256, "SWAP": True, "num_warps": 4, "num_stages": 4}
     else:
         cfg = {"BLOCK_N": 64, "BLOCK_K": 256, "SWAP": False, "num_warps": 4, "num_stages": 3}
-    block_m = 16 if rows <= 16 else 32
-    per_stage = (block_m + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * elem_bytes
+    per_stage = (_skinny_block_m(rows) + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * elem_bytes
     cfg["num_stages"] = max(1, min(cfg["num_stages"], (200 << 10) // per_stage))
     return cfg
 
@@ -196,11 +200,10 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if weight.stride(1) != 1:
         weight = weight.contiguous()
     cfg = config or skinny_config(n, k, x.element_size(), m)
-    block_m = 16 if m <= 16 else 32
     _skinny_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
         x, weight, bias if bias is not None else x, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, EVEN=(n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0),
         SWAP=cfg["SWAP"], DOT_F32=_interpreter_bf16(x), PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
+        BLOCK_M=_skinny_block_m(m), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     return out
