@@ -52,10 +52,10 @@ if [ "$mode" = serve ]; then  # issue 11's figures: TP=${TP:-1}, 512 in / 128 ou
   python3 -c "from launch.bench_common import build_random_model; build_random_model('/tmp/g12d', 'gemma-3-12b', weights=False)"
   $cli serve /tmp/g12d --load-format dummy -tp "${TP:-1}" --port 8000 > "$OUT/server.log" 2>&1 &
   for i in $(seq 1 300); do curl -sf http://127.0.0.1:8000/health >/dev/null && break; sleep 1; done
-  # rate:prompts (a minute at most per rate). Each run its own --seed: with one seed every run
+  # rate:prompts (a minute at most per rate; POINTS overrides). Each run its own --seed: with one seed every run
   # draws the same prompts, and a later run would hit the earlier runs' prefix cache.
   seed=1
-  for point in 1:60 4:240 16:512 inf:512; do
+  for point in ${POINTS:-1:60 4:240 16:512 inf:512}; do
     rate=${point%:*}; seed=$((seed + 1))
     timeout 150 $cli bench serve --num-prompts ${point#*:} --random-input-len 512 --random-output-len 128 --ignore-eos \
         --random-vocab-size 200000 --request-rate $rate --seed $seed --no-progress \
