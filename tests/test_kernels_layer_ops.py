@@ -303,6 +303,14 @@ def test_qk_norm_rope_equals_the_unfused_kernels():
 
 # ----------------------------------------------------------------------------- single-row GEMV
 
+def _nan_padded_rows(rows: int, cols: int, pad: int, dtype: torch.dtype) -> torch.Tensor:
+    """Random [rows, cols] as a view of a wider matrix whose other `pad` columns are NaN: a kernel
+    that reads past a row's end (or ignores the row stride) poisons its output."""
+    wide = torch.full((rows, cols + pad), float("nan"), device=DEVICE, dtype=dtype)
+    wide[:, :cols] = randn(rows, cols, dtype=dtype)
+    return wide[:, :cols]
+
+
 @pytest.mark.parametrize("impl", [gemv, gemv_ref], ids=["triton", "torch"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n,k,cfg", [
@@ -317,9 +325,7 @@ def test_gemv(impl, dtype, n, k, cfg, bias):
     """Against float64 F.linear on a weight whose rows are strided (a view of a wider matrix, the
     rest NaN), output poisoned with NaN first."""
     x = randn(1, k, dtype=dtype)
-    wide = torch.full((n, k + 24), float("nan"), device=DEVICE, dtype=dtype)
-    wide[:, :k] = randn(n, k, dtype=dtype)
-    w = wide[:, :k]
+    w = _nan_padded_rows(n, k, 24, dtype)
     b = randn(n, dtype=dtype) if bias else None
     ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
     if impl is gemv:
@@ -375,12 +381,7 @@ STRAIGHT = {"BLOCK_N": 64, "BLOCK_K": 256, "SWAP": False, "num_warps": 4, "num_s
 def test_skinny_gemm(impl, dtype, m, n, k, cfg, bias):
     """Against float64 F.linear; the weight's and x's rows strided (views of wider matrices, the
     rest NaN), the output a row-strided view poisoned with NaN, its neighbours checked untouched."""
-    wide_x = torch.full((m, k + 8), float("nan"), device=DEVICE, dtype=dtype)
-    wide_x[:, :k] = randn(m, k, dtype=dtype)
-    x = wide_x[:, :k]
-    wide_w = torch.full((n, k + 24), float("nan"), device=DEVICE, dtype=dtype)
-    wide_w[:, :k] = randn(n, k, dtype=dtype)
-    w = wide_w[:, :k]
+    x, w = _nan_padded_rows(m, k, 8, dtype), _nan_padded_rows(n, k, 24, dtype)
     b = randn(n, dtype=dtype) if bias else None
     ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
     if impl is skinny_gemm_ref:
