@@ -38,11 +38,30 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
 
-    def put(self, item) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
+
+class _Outbox:
+    """What the engine thread hands to the event loops, sent in one go: one wake-up per loop and
+    step, not one per request. With hundreds of streams the wake-ups would cost the event loop more
+    than the outputs themselves, and that loop shares the interpreter with the engine thread."""
+
+    def __init__(self) -> None:
+        self._items: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+
+    def put(self, stream: _Stream, item) -> None:
+        self._items.setdefault(stream.loop, []).append((stream.queue, item))
+
+    def flush(self) -> None:
+        items, self._items = self._items, {}
+        for loop, batch in items.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+
+def _deliver(batch: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, item in batch:
+        q.put_nowait(item)
 
 
 class AsyncLLM:
@@ -63,6 +82,7 @@ class AsyncLLM:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
+        self._outbox = _Outbox()  # the engine thread's
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="distengine-engine", daemon=True)
         self._thread.start()
@@ -126,8 +146,10 @@ class AsyncLLM:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=30)
+        outbox = _Outbox()
         for stream in self._streams.values():
-            stream.put(EngineDeadError("the engine shut down"))
+            outbox.put(stream, EngineDeadError("the engine shut down"))
+        outbox.flush()
         self._streams.clear()
         self.engine.shutdown()
 
@@ -151,11 +173,12 @@ class AsyncLLM:
                     self._record_token(st, now)
                     stream = self._streams.get(st.req_id)
                     if stream is not None:
-                        stream.put(st.delta())
+                        self._outbox.put(stream, st.delta())
                 for st in finished:
                     self.metrics.e2e.observe(now - st.arrival_time)
                     self._streams.pop(st.req_id, None)
                     self.outputs.pop(st.req_id)
+                self._outbox.flush()
                 self.metrics.record_state(sched)
         except BaseException as e:  # noqa: BLE001 - the engine is gone: every request must hear it
             self._fail(e)
@@ -173,13 +196,13 @@ class AsyncLLM:
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
-                return
+                break
             if cmd[0] == "add":
                 _, rid, text, ids, sp, stream, arrival = cmd
                 try:
                     self.engine.add_request(EngineRequest(rid, ids, sampling=sp, eos_token_ids=self.eos_token_ids))
                 except (ValueError, TypeError) as e:  # e.g. a request id already in use
-                    stream.put(e)
+                    self._outbox.put(stream, e)
                     continue
                 self.outputs.add_request(rid, text, ids, sp, arrival)
                 self._streams[rid] = stream
@@ -189,11 +212,13 @@ class AsyncLLM:
                 self.engine.abort([rid])
                 self.outputs.pop(rid)
                 self._streams.pop(rid, None)
+        self._outbox.flush()  # refused requests hear it now, not after the next step
 
     def _fail(self, e: BaseException) -> None:
         self.dead = e if isinstance(e, EngineDeadError) else EngineDeadError(f"the engine loop failed: {e}", e)
+        outbox = self._outbox  # with what the failed step had already put in it
         for stream in self._streams.values():
-            stream.put(self.dead)
+            outbox.put(stream, self.dead)
         self._streams.clear()
         while True:  # requests that arrived meanwhile
             try:
@@ -201,4 +226,5 @@ class AsyncLLM:
             except queue.Empty:
                 break
             if cmd[0] == "add":
-                cmd[5].put(self.dead)
+                outbox.put(cmd[5], self.dead)
+        outbox.flush()

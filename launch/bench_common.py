@@ -201,12 +201,13 @@ class Roofline:
         return 2 * self.num_params * tokens / (self.matmul * self.tp)
 
 
-def roofline_of(llm, bandwidth: float, matmul: float) -> Roofline:
-    info = llm.executor.plan_info
-    plan = llm.plan
+def roofline_of(engine, bandwidth: float, matmul: float) -> Roofline:
+    """The roofline of the model an `EngineCore` (`LLM.engine`, `AsyncLLM.engine`) serves."""
+    info = engine.executor.plan_info
+    plan = engine.plan
     import math
     from workers.loader import load_hf_config, resolve_model_path
-    hf = load_hf_config(resolve_model_path(llm.config.model)).get_text_config()
+    hf = load_hf_config(resolve_model_path(engine.config.model)).get_text_config()
     dtype_bytes = {"bfloat16": 2, "float16": 2, "float32": 4}[info["dtype"]]
     num_params = info["weight_bytes"] * plan.tp_size // dtype_bytes
     # Untied embeddings are read in full only for the rows used: count the LM head, not the table.
@@ -277,17 +278,22 @@ def hf_generate(model: str, prompts: list[dict], output_len: int, device: str) -
             torch.cuda.empty_cache()
 
 
+def engine_options(args, max_model_len: int) -> dict:
+    """The engine options (`EngineConfig`'s fields) that the bench commands' flags name."""
+    return dict(tensor_parallel_size=args.tensor_parallel_size, device=args.device, dtype=args.dtype,
+                max_model_len=args.max_model_len or max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                enforce_eager=args.enforce_eager,
+                async_scheduling=not args.no_async_scheduling, seed=args.seed, load_format=args.load_format,
+                disable_custom_all_reduce=not args.custom_all_reduce,
+                enable_prefix_caching=not args.no_enable_prefix_caching,
+                mamba_checkpoint_interval=args.mamba_checkpoint_interval,
+                distributed_executor_backend=getattr(args, "distributed_executor_backend", None))
+
+
 def make_llm(args, model: str, max_model_len: int):
     from distengine import LLM
-    return LLM(model, tensor_parallel_size=args.tensor_parallel_size, device=args.device, dtype=args.dtype,
-               max_model_len=args.max_model_len or max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
-               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               enforce_eager=args.enforce_eager,
-               async_scheduling=not args.no_async_scheduling, seed=args.seed, load_format=args.load_format,
-               disable_custom_all_reduce=not args.custom_all_reduce,
-               enable_prefix_caching=not args.no_enable_prefix_caching,
-               mamba_checkpoint_interval=args.mamba_checkpoint_interval,
-               distributed_executor_backend=getattr(args, "distributed_executor_backend", None))
+    return LLM(model, **engine_options(args, max_model_len))
 
 
 def write_json(path: str | None, payload: dict) -> None:

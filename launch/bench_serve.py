@@ -50,6 +50,13 @@ def _prompts(args) -> list:
     return [tok.decode([t % tok.vocab_size for t in row]) for row in rows]
 
 
+async def _first_model(client) -> str:
+    resp = await client.get("/models")
+    if resp.status_code != 200:
+        raise RuntimeError(f"GET /v1/models: HTTP {resp.status_code}: {resp.text[:300]}")
+    return resp.json()["data"][0]["id"]
+
+
 def _stats(xs: list[float]) -> dict:
     if not xs:
         return {"mean": float("nan"), "median": float("nan"), "p99": float("nan")}
@@ -60,10 +67,15 @@ def _stats(xs: list[float]) -> dict:
 async def _benchmark(args, base_url: str) -> dict:
     import asyncio
 
-    from openai import AsyncOpenAI
+    import httpx
     key = args.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("DISTENGINE_API_KEY") or "none"
-    client = AsyncOpenAI(base_url=base_url.rstrip("/") + "/v1", api_key=key, max_retries=0, timeout=3600)
-    model = args.model or (await client.models.list()).data[0].id
+    # Plain HTTP and our own SSE parsing (as vLLM's bench does): the openai client builds a pydantic
+    # object per streamed chunk, and at hundreds of streams the load generator would then be what
+    # it measures.
+    client = httpx.AsyncClient(base_url=base_url.rstrip("/") + "/v1", headers={"Authorization": f"Bearer {key}"},
+                               timeout=httpx.Timeout(3600.0, connect=30.0),
+                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024))
+    model = args.model or await _first_model(client)
     prompts = _prompts(args)
     limit = asyncio.Semaphore(args.max_concurrency or len(prompts))
     rng = random.Random(args.seed + 1)
@@ -71,29 +83,40 @@ async def _benchmark(args, base_url: str) -> dict:
     if not args.no_progress:
         from tqdm.auto import tqdm
         bar = tqdm(total=len(prompts), desc="requests", dynamic_ncols=True)
-    extra = {"ignore_eos": True} if args.ignore_eos else None
+    body = {"model": model, "max_tokens": args.random_output_len, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if args.ignore_eos:
+        body["ignore_eos"] = True
 
     async def one(prompt) -> dict:
         async with limit:
             rec = {"ok": False, "ttft": None, "itl": [], "prompt_tokens": 0, "output_tokens": 0}
             t0 = last = time.perf_counter()
             try:
-                stream = await client.completions.create(model=model, prompt=prompt, max_tokens=args.random_output_len,
-                                                         temperature=0.0, stream=True,
-                                                         stream_options={"include_usage": True}, extra_body=extra)
-                async for chunk in stream:
-                    now = time.perf_counter()
-                    # A chunk per step of tokens, its text possibly empty (a server without a
-                    # tokenizer, text held back for stop strings): vLLM's bench counts it too.
-                    if chunk.choices:
-                        if rec["ttft"] is None:
-                            rec["ttft"] = now - t0
-                        else:
-                            rec["itl"].append(now - last)
-                        last = now
-                    if chunk.usage is not None:
-                        rec["prompt_tokens"] = chunk.usage.prompt_tokens
-                        rec["output_tokens"] = chunk.usage.completion_tokens
+                async with client.stream("POST", "/completions", json={**body, "prompt": prompt}) as resp:
+                    if resp.status_code != 200:
+                        raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}")
+                    async for line in resp.aiter_lines():
+                        if not line.startswith("data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            break
+                        now = time.perf_counter()
+                        chunk = json.loads(data)
+                        if "error" in chunk:
+                            raise RuntimeError(f"the stream ended with an error: {chunk['error']}")
+                        # A chunk per step of tokens, its text possibly empty (a server without a
+                        # tokenizer, text held back for stop strings): vLLM's bench counts it too.
+                        if chunk.get("choices"):
+                            if rec["ttft"] is None:
+                                rec["ttft"] = now - t0
+                            else:
+                                rec["itl"].append(now - last)
+                            last = now
+                        if chunk.get("usage"):
+                            rec["prompt_tokens"] = chunk["usage"]["prompt_tokens"]
+                            rec["output_tokens"] = chunk["usage"]["completion_tokens"]
                 rec["latency"] = time.perf_counter() - t0
                 rec["ok"] = rec["ttft"] is not None
                 if not rec["ok"]:
@@ -114,7 +137,7 @@ async def _benchmark(args, base_url: str) -> dict:
     duration = time.perf_counter() - start
     if bar is not None:
         bar.close()
-    await client.close()
+    await client.aclose()
     done = [r for r in records if r["ok"]]
     out_tokens = sum(r["output_tokens"] for r in done)
     in_tokens = sum(r["prompt_tokens"] for r in done)

@@ -5,7 +5,8 @@ generating --output-len tokens (or the dataset's), all handed to `LLM.generate` 
 Prints vLLM's line (requests/s, total tokens/s, output tokens/s) and the output tokens/s beside
 the roofline (prefill products at the measured product rate, decode steps at the copy bandwidth;
 requests run in waves of max_num_seqs) and the ratio; `--hf` adds transformers' generate() on the
-same weights, all prompts in one batch.
+same weights, all prompts in one batch. `--async-engine` (vLLM's flag) submits them to `AsyncLLM`
+instead, the engine `distengine serve` runs, without HTTP.
 
 A dataset file is JSON (a list) or JSON lines, one object per request: "prompt" (text; the model
 needs a tokenizer) or "prompt_token_ids", and optionally "output_len".
@@ -24,6 +25,30 @@ def add_arguments(p) -> None:
     p.add_argument("--input-len", type=int, default=512, help="random prompts' tokens (default: %(default)s)")
     p.add_argument("--output-len", type=int, default=128, help="output tokens (default: %(default)s)")
     p.add_argument("--dataset-path", default=None, help="JSON or JSON-lines requests instead of random ones")
+    p.add_argument("--async-engine", action="store_true",
+                   help="run the requests through AsyncLLM (the server's engine: its own thread, every request "
+                        "streamed) instead of LLM.generate")
+
+
+def _llm_generate(llm, prompts: list[dict], params: list, tag: str) -> int:
+    """The output tokens of `LLM.generate` over all requests at once."""
+    return sum(len(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False))
+
+
+def _async_generate(engine, prompts: list[dict], params: list, tag: str) -> int:
+    """The output tokens of all requests submitted to an `AsyncLLM` at once, each one's deltas
+    consumed as a server consumes them."""
+    import asyncio
+
+    async def one(rid: str, prompt: dict, sp) -> int:
+        n = 0
+        async for out in engine.generate(prompt, sp, rid):
+            n += len(out.outputs[0].token_ids)
+        return n
+
+    async def all_of_them() -> list[int]:
+        return await asyncio.gather(*(one(f"{tag}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))))
+    return sum(asyncio.run(all_of_them()))
 
 
 def load_dataset(path: str, tokenizer, output_len: int, num_prompts: int) -> list[tuple[dict, int]]:
@@ -75,18 +100,27 @@ def run(args) -> int:
             raise ValueError("--hf runs random prompts of one length (no --dataset-path)")
         hf = bc.hf_generate(model, [p for p, _ in requests], args.output_len, dev)
     longest = max(len(p["prompt_token_ids"]) + n for p, n in requests)
-    with bc.make_llm(args, model, longest) as llm:
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests]
+    prompts = [p for p, _ in requests]
+    warm = min(8, len(prompts))
+    if args.async_engine:
+        from distengine.async_llm import AsyncLLM
+        runner = AsyncLLM(model, **bc.engine_options(args, longest))
+        generate = _async_generate
+    else:
+        runner = bc.make_llm(args, model, longest)
+        generate = _llm_generate
+    try:
         # The ceilings of the roofline, measured on rank 0's device, where the engine runs.
-        bandwidth, matmul = llm.executor.collective_rpc("measure_ceilings", ranks=[0])[0]
-        rf = bc.roofline_of(llm, bandwidth, matmul)
-        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests]
-        prompts = [p for p, _ in requests]
-        llm.generate(prompts[:min(8, len(prompts))], params[:min(8, len(prompts))], use_tqdm=False)  # warm-up
+        bandwidth, matmul = runner.engine.executor.collective_rpc("measure_ceilings", ranks=[0])[0]
+        rf = bc.roofline_of(runner.engine, bandwidth, matmul)
+        generate(runner, prompts[:warm], params[:warm], "warm-up")
         t = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        n_out = generate(runner, prompts, params, "bench")
         elapsed = time.perf_counter() - t
-        info = dict(llm.executor.plan_info)
-    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        info = dict(runner.engine.executor.plan_info)
+    finally:
+        runner.shutdown()
     n_in = sum(prompt_lens)
     roof = rf.prefill_s(n_in)
     wave = args.max_num_seqs
@@ -98,7 +132,8 @@ def run(args) -> int:
     ours, roof_tok = n_out / elapsed, n_out / roof
     print(f"\nThroughput: {len(requests) / elapsed:.2f} requests/s, {(n_in + n_out) / elapsed:.2f} total tokens/s, "
           f"{ours:.2f} output tokens/s")
-    print(f"{device}, TP={args.tensor_parallel_size}; model {model}; {len(requests)} requests, {n_in} prompt and "
+    runner_name = "AsyncLLM" if args.async_engine else "LLM.generate"
+    print(f"{device}, TP={args.tensor_parallel_size}, {runner_name}; model {model}; {len(requests)} requests, {n_in} prompt and "
           f"{n_out} output tokens; copy bandwidth {bandwidth / 1e12:.2f} TB/s, product rate {matmul / 1e12:.0f} "
           f"TFLOP/s (same run)")
     rows = [("figure", "ours", "roofline", "ours/roofline"),
@@ -107,6 +142,7 @@ def run(args) -> int:
         rows.append(("HF generate output tok/s", f"{hf:.1f}", "", f"ours {ours / hf:.2f}x"))
     bc.print_table(rows)
     bc.write_json(args.output_json, dict(kind="throughput", device=device, tp=args.tensor_parallel_size, model=model,
+                                         async_engine=args.async_engine,
                                          num_requests=len(requests), prompt_tokens=n_in, output_tokens=n_out,
                                          elapsed_time=elapsed, requests_per_second=len(requests) / elapsed,
                                          tokens_per_second=(n_in + n_out) / elapsed, output_tok_s=ours,

@@ -123,6 +123,26 @@ def param_of(message: str) -> str | None:
     return head if head.isidentifier() else None
 
 
+class _ApiKeyCheck:
+    """The API key on /v1, /tokenize and /detokenize, as plain ASGI: Starlette's `@app.middleware`
+    would pass every streamed chunk through a memory stream and a task switch of its own."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path.startswith("/v1") or path in ("/tokenize", "/detokenize")):
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):
+                from fastapi.responses import JSONResponse
+                body = error_body(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
+                await JSONResponse(body, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(engine, served_names: list[str], api_key: str | None = None):
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
@@ -149,14 +169,8 @@ def build_app(engine, served_names: list[str], api_key: str | None = None):
         got = f" (got {first['input']!r:.60})" if "input" in first and loc else ""
         return error(400, f"{field or 'body'}: {first.get('msg')}{got}", loc[0] if loc else None)
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        path = request.url.path
-        if api_key and (path.startswith("/v1") or path in ("/tokenize", "/detokenize")):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'")
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(_ApiKeyCheck, api_key=api_key)
 
     def refuse(model: str | None) -> JSONResponse | None:
         if model is not None and model not in served_names:
@@ -197,6 +211,10 @@ def build_app(engine, served_names: list[str], api_key: str | None = None):
     async def run_all(checked: list, sp, rid: str):
         """(request id, deltas) pairs of every prompt, merged as they come; the client going away
         cancels them all (their requests are aborted)."""
+        if len(checked) == 1:  # no merging: each token costs the event loop less
+            async for out in engine.generate(None, sp, f"{rid}-0", checked=checked[0]):
+                yield 0, out
+            return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, pair) -> None:

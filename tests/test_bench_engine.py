@@ -49,6 +49,17 @@ def test_bench_throughput_random_and_dataset(tiny, tmp_path, capsys):
     assert res["num_requests"] == 3 and res["output_tokens"] == 6 and res["prompt_tokens"] == 6
 
 
+def test_bench_throughput_async_engine(tiny, tmp_path, capsys):
+    """`--async-engine`: the same requests through AsyncLLM, every request's deltas counted."""
+    out = tmp_path / "tp.json"
+    assert main(["bench", "throughput", "--model", tiny, "--device", "cpu", "--num-prompts", "6", "--input-len", "5",
+                 "--output-len", "7", "--async-engine", "--output-json", str(out)]) == 0
+    assert "AsyncLLM" in capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert res["async_engine"] and res["num_requests"] == 6 and res["output_tokens"] == 42
+    assert res["prompt_tokens"] == 30 and res["output_tok_s"] > 0
+
+
 def test_bad_bench_arguments(tiny, tmp_path, capsys):
     assert main(["bench", "latency", "--model", tiny, "--device", "cpu", "--input-len", "0"]) == 2
     assert "--input-len must be >= 1" in capsys.readouterr().err
@@ -74,7 +85,7 @@ def test_mamba_hybrid_roofline_moves_each_state_twice(tmp_path):
     folder = str(tmp_path / "tb")
     build_random_model(folder, "tiny-bamba", "cpu")
     with LLM(folder, device="cpu", max_model_len=64) as llm:
-        rf = roofline_of(llm, bandwidth=1e12, matmul=1e12)
+        rf = roofline_of(llm.engine, bandwidth=1e12, matmul=1e12)
         plan = llm.plan
     mamba = [layer for layer in plan.layers if layer.kind == "mamba"]
     attn = [layer for layer in plan.layers if layer.kind != "mamba"]

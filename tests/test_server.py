@@ -251,6 +251,22 @@ def test_bench_serve_against_the_server(server, tmp_path):
     assert res["ttft_ms"]["median"] > 0 and res["itl_ms"]["mean"] > 0 and res["output_throughput"] > 0
 
 
+def test_bench_serve_records_refused_requests(server, tmp_path, capsys):
+    """The load generator speaks plain HTTP: a refusal is counted as a failed request with the
+    server's status and message, and no completed request means exit status 1."""
+    from launch.cli import main
+    out = tmp_path / "serve.json"
+    assert main(["bench", "serve", "--port", str(server.port), "--api-key", "wrong", "--model",
+                 server_model(server.client), "--num-prompts", "3", "--random-input-len", "4",
+                 "--random-output-len", "2", "--no-progress", "--output-json", str(out)]) == 1
+    res = json.loads(out.read_text())
+    assert res["completed"] == 0 and res["failed"] == 3
+    assert res["errors"] and all("HTTP 401" in e and "API key" in e for e in res["errors"])
+    assert main(["bench", "serve", "--port", str(server.port), "--api-key", "wrong", "--num-prompts", "1",
+                 "--no-progress"]) == 1
+    assert "GET /v1/models: HTTP 401" in capsys.readouterr().err
+
+
 def test_bench_serve_against_a_server_without_tokenizer(tmp_path):
     """Random-weight benchmarks serve a model without a tokenizer: token ids in, empty texts out.
     Each streamed chunk is a step of tokens all the same."""

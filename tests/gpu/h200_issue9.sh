@@ -5,6 +5,7 @@
 #   bash tests/gpu/h200_issue9.sh final   # two H200s (~8 min): all-reduce, TP=2 test, TP=1 (+HF) and TP=2 figures
 #   bash tests/gpu/h200_issue9.sh serve   # one or two H200s (~5 min per TP size): bench serve at 4 rates, +shared prefix
 #   bash tests/gpu/h200_issue9.sh sweep   # two H200s (~10 min): examples/sweep_gemma3_12b.yaml, then sweep_serve.yaml (SWEEPS="latency serve")
+#   bash tests/gpu/h200_issue9.sh engines # one or two H200s (~6 min): 512 prompts through LLM.generate, AsyncLLM and HTTP
 # Logs and JSON go to $OUT; a short table is printed last. Each step has its own time limit.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -61,15 +62,27 @@ if [ "$mode" = serve ]; then  # issue 11's figures: TP=${TP:-1}, 512 in / 128 ou
         --random-vocab-size 200000 --request-rate $rate --seed $seed --no-progress \
         --output-json "$OUT/serve_r$rate.json" > "$OUT/serve_r$rate.log" 2>&1
   done
-  hits() { curl -s http://127.0.0.1:8000/metrics | grep -E "^distengine:prefix_cache_(queries|hits)_total"; }
-  hits > "$OUT/prefix_before.txt"
-  timeout 200 $cli bench serve --num-prompts 512 --random-input-len 512 --random-output-len 128 --ignore-eos \
-      --random-prefix-len 2000 --random-vocab-size 200000 --request-rate inf --seed 100 --no-progress \
-      --output-json "$OUT/serve_prefix.json" > "$OUT/serve_prefix.log" 2>&1
-  hits > "$OUT/prefix_after.txt"
+  if [ "${PREFIX:-1}" = 1 ]; then
+    hits() { curl -s http://127.0.0.1:8000/metrics | grep -E "^distengine:prefix_cache_(queries|hits)_total"; }
+    hits > "$OUT/prefix_before.txt"
+    timeout 200 $cli bench serve --num-prompts 512 --random-input-len 512 --random-output-len 128 --ignore-eos \
+        --random-prefix-len 2000 --random-vocab-size 200000 --request-rate inf --seed 100 --no-progress \
+        --output-json "$OUT/serve_prefix.json" > "$OUT/serve_prefix.log" 2>&1
+    hits > "$OUT/prefix_after.txt"
+  fi
   kill -TERM %1; wait
   for f in "$OUT"/serve_*.log; do echo "== $f"; tail -7 "$f"; done
-  echo "== prefix cache (before / after the shared-prefix run)"; cat "$OUT/prefix_before.txt" "$OUT/prefix_after.txt"
+  [ "${PREFIX:-1}" = 1 ] && { echo "== prefix cache (before / after the shared-prefix run)"; cat "$OUT"/prefix_*.txt; }
+fi
+
+if [ "$mode" = engines ]; then  # where saturated serving loses against offline: the same 512 x 512 / 128 workload
+  # through LLM.generate (max_model_len 640, then the server's default), AsyncLLM (no HTTP), then HTTP (mode serve).
+  for run in "tp_llm_640:" "tp_llm:--max-model-len 32768" "tp_async:--max-model-len 32768 --async-engine"; do
+    timeout 150 $cli bench throughput $rnd -tp "${TP:-1}" --num-prompts 512 --input-len 512 --output-len 128 \
+        ${run#*:} --output-json "$OUT/${run%%:*}.json" > "$OUT/${run%%:*}.log" 2>&1
+  done
+  POINTS=inf:512 PREFIX=0 bash "$0" serve
+  for run in tp_llm_640 tp_llm tp_async; do echo "== $run"; tail -4 "$OUT/$run.log"; done
 fi
 
 if [ "$mode" = sweep ]; then  # issue 12's figures: the two example sweeps on random 12B-shaped weights
