@@ -24,7 +24,7 @@ from distengine.engine_core import EngineCore
 from distengine.executor import EngineDeadError
 from distengine.inputs import InputProcessor
 from distengine.llm import eos_token_ids, load_tokenizer
-from distengine.metrics import EngineMetrics
+from distengine.metrics import EngineMetrics, StatsLogger
 from distengine.output_processor import OutputProcessor
 from distengine.outputs import RequestOutput
 from distengine.sampling_params import SamplingParams
@@ -65,9 +65,13 @@ def _deliver(batch: list[tuple[asyncio.Queue, object]]) -> None:
 
 
 class AsyncLLM:
-    """`AsyncLLM(model, **options)`: the options are `EngineConfig`'s, as for `LLM`."""
+    """`AsyncLLM(model, **options)`: the options are `EngineConfig`'s, as for `LLM`.
+    `log_stats_interval` (seconds): log vLLM's stats line that often while there is work (logger
+    `distengine.stats`, level INFO); None: no line."""
 
-    def __init__(self, model: str, metrics_name: str | None = None, **options) -> None:
+    def __init__(self, model: str, metrics_name: str | None = None, log_stats_interval: float | None = None,
+                 **options) -> None:
+        self.stats_logger = StatsLogger(log_stats_interval) if log_stats_interval is not None else None
         self.config = EngineConfig.create(model, **options)
         path = resolve_model_path(self.config.model)
         self.tokenizer = load_tokenizer(self.config.tokenizer or str(path))
@@ -160,7 +164,7 @@ class AsyncLLM:
                 self._apply_commands()
                 sched = self.engine.scheduler
                 if not (sched.has_unfinished() or sched.has_in_flight()):
-                    self.metrics.record_state(sched)
+                    self._record_state(sched)
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
@@ -179,13 +183,18 @@ class AsyncLLM:
                     self._streams.pop(st.req_id, None)
                     self.outputs.pop(st.req_id)
                 self._outbox.flush()
-                self.metrics.record_state(sched)
+                self._record_state(sched)
         except BaseException as e:  # noqa: BLE001 - the engine is gone: every request must hear it
             self._fail(e)
 
+    def _record_state(self, sched) -> None:
+        self.metrics.record_state(sched)
+        if self.stats_logger is not None:
+            self.stats_logger.tick(time.monotonic(), self.metrics, sched)
+
     def _record_token(self, st, now: float) -> None:
         m = self.metrics
-        m.generation_tokens.inc()
+        m.count_generated()
         if len(st.token_ids) == 1:
             m.ttft.observe(now - st.arrival_time)
         elif st.last_gap is not None:
@@ -206,7 +215,7 @@ class AsyncLLM:
                     continue
                 self.outputs.add_request(rid, text, ids, sp, arrival)
                 self._streams[rid] = stream
-                self.metrics.prompt_tokens.inc(len(ids))
+                self.metrics.count_prompt(len(ids))
             else:
                 rid = cmd[1]
                 self.engine.abort([rid])

@@ -1,7 +1,9 @@
 """Prometheus metrics of a serving engine, with vLLM's metric names under our prefix. The engine
 thread records them (prometheus_client's metrics are thread-safe); the server exposes the
-registry at /metrics."""
+registry at /metrics. `StatsLogger` writes vLLM's periodic log line from the same counts."""
 from __future__ import annotations
+
+import logging
 
 PREFIX = "distengine:"
 # Seconds: from a millisecond to minutes (vLLM's buckets, roughly).
@@ -36,6 +38,20 @@ class EngineMetrics:
         self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a request.")
         self.e2e = histogram("e2e_request_latency_seconds", "Time from a request's arrival to its end.")
         self._seen = (0, 0, 0)  # prefix queries, prefix hits, preemptions already counted
+        self.prompt_total = 0      # the counters' values, for the log line
+        self.generation_total = 0
+
+    def count_prompt(self, tokens: int) -> None:
+        self.prompt_tokens.inc(tokens)
+        self.prompt_total += tokens
+
+    def count_generated(self, tokens: int = 1) -> None:
+        self.generation_tokens.inc(tokens)
+        self.generation_total += tokens
+
+    def totals(self) -> tuple[int, int, int, int]:
+        """Prompt tokens admitted, tokens generated, prefix-cache queries and hits, so far."""
+        return self.prompt_total, self.generation_total, self._seen[0], self._seen[1]
 
     def record_state(self, scheduler) -> None:
         """Gauges and the scheduler's cumulative counts, after a step (engine thread)."""
@@ -52,3 +68,35 @@ class EngineMetrics:
     def text(self) -> bytes:
         from prometheus_client import generate_latest
         return generate_latest(self.registry)
+
+
+class StatsLogger:
+    """vLLM's periodic log line: every `interval` seconds in which the engine had work, the
+    prompt and generation throughput over the interval, the requests running and waiting, the KV
+    cache's usage and the prefix cache's hit rate over the interval (engine thread)."""
+
+    def __init__(self, interval: float, logger: logging.Logger | None = None) -> None:
+        if not interval > 0:
+            raise ValueError(f"the stats log interval must be > 0 seconds, got {interval}")
+        self.interval = interval
+        self.logger = logger or logging.getLogger("distengine.stats")
+        self._last: tuple[float, tuple[int, int, int, int]] | None = None
+
+    def tick(self, now: float, metrics: EngineMetrics, scheduler) -> None:
+        totals = metrics.totals()
+        if self._last is None:
+            self._last = (now, totals)
+            return
+        then, before = self._last
+        if now - then < self.interval:
+            return
+        self._last = (now, totals)
+        prompt, generated, queries, hits = (a - b for a, b in zip(totals, before))
+        running, waiting = len(scheduler.running), len(scheduler.waiting)
+        if not (prompt or generated or running or waiting):
+            return  # idle: nothing to report
+        dt = now - then
+        self.logger.info(f"avg prompt throughput: {prompt / dt:.1f} tokens/s, avg generation throughput: "
+                         f"{generated / dt:.1f} tokens/s, running: {running} reqs, waiting: {waiting} reqs, "
+                         f"KV cache usage: {100 * scheduler.manager.usage:.1f}%, prefix cache hit rate: "
+                         f"{100 * hits / queries if queries else 0.0:.1f}%")

@@ -50,6 +50,9 @@ def add_arguments(p) -> None:
                    help="dummy: random weights, no checkpoint read (benchmarks)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds requests in flight may take to finish after SIGTERM or Ctrl-C")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="no stats line (throughputs, requests, KV cache usage, prefix hit rate) every "
+                        "$DISTENGINE_LOG_STATS_INTERVAL seconds (default 10) while there is work")
 
 
 def run(args) -> int:
@@ -59,7 +62,9 @@ def run(args) -> int:
         raise ImportError(f"distengine serve needs the server's packages: pip install 'distengine[serve]' ({e})") from e
     from distengine.async_llm import AsyncLLM
     names = args.served_model_name or [args.model]
-    engine = AsyncLLM(args.model, metrics_name=names[0], tensor_parallel_size=args.tensor_parallel_size,
+    interval = None if args.disable_log_stats else _stats_interval()
+    engine = AsyncLLM(args.model, metrics_name=names[0], log_stats_interval=interval,
+                      tensor_parallel_size=args.tensor_parallel_size,
                       tokenizer=args.tokenizer, max_model_len=args.max_model_len,
                       gpu_memory_utilization=args.gpu_memory_utilization,
                       kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs,
@@ -80,6 +85,28 @@ def run(args) -> int:
     finally:
         engine.shutdown()
     return 0
+
+
+def _stats_interval() -> float:
+    """The stats line's period: $DISTENGINE_LOG_STATS_INTERVAL seconds (vLLM's is
+    VLLM_LOG_STATS_INTERVAL), 10 by default; its lines go to stdout."""
+    import logging
+    import sys
+    text = os.environ.get("DISTENGINE_LOG_STATS_INTERVAL", "10")
+    try:
+        interval = float(text)
+    except ValueError:
+        interval = float("nan")
+    if not interval > 0:
+        raise ValueError(f"DISTENGINE_LOG_STATS_INTERVAL must be a number of seconds > 0, got {text!r}")
+    logger = logging.getLogger("distengine.stats")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(asctime)s distengine: %(message)s", "%H:%M:%S"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    return interval
 
 
 def _uvicorn_server(config):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -349,3 +350,53 @@ def test_tp2_killed_worker_makes_health_503_and_ends_the_request(model):
         assert r.status_code == 503 and r.json()["error"]["code"] == 503
     finally:
         s.stop()
+
+
+def test_stats_line_over_each_interval(caplog):
+    """vLLM's periodic stats line: throughputs and hit rate over the interval, the state now;
+    nothing for an idle interval; a bad interval is refused."""
+    import logging
+    from types import SimpleNamespace
+
+    from distengine.metrics import EngineMetrics, StatsLogger
+    metrics = EngineMetrics("m")
+    stats = SimpleNamespace(queries=0, hits=0)
+    manager = SimpleNamespace(usage=0.25, prefix_cache_stats=stats)
+    sched = SimpleNamespace(running=[1, 2], waiting=[3], manager=manager, num_preemptions=0)
+    logger = StatsLogger(2.0)
+    with caplog.at_level(logging.INFO, logger="distengine.stats"):
+        logger.tick(100.0, metrics, sched)            # starts the first interval
+        metrics.count_prompt(300)
+        metrics.count_generated(40)
+        stats.queries, stats.hits = 200, 50
+        metrics.record_state(sched)
+        logger.tick(101.0, metrics, sched)            # within the interval: nothing yet
+        logger.tick(104.0, metrics, sched)
+        sched.running, sched.waiting = [], []
+        logger.tick(107.0, metrics, sched)            # idle interval: nothing
+    lines = [r.getMessage() for r in caplog.records if r.name == "distengine.stats"]
+    assert lines == ["avg prompt throughput: 75.0 tokens/s, avg generation throughput: 10.0 tokens/s, "
+                     "running: 2 reqs, waiting: 1 reqs, KV cache usage: 25.0%, prefix cache hit rate: 25.0%"]
+    with pytest.raises(ValueError, match="must be > 0"):
+        StatsLogger(0)
+
+
+def test_server_logs_stats_while_busy(model, monkeypatch):
+    monkeypatch.setenv("DISTENGINE_LOG_STATS_INTERVAL", "0.2")  # the default, 10 s, is too slow for a test
+    s = Server(model)
+    try:
+        out = s.client.completions.create(model=server_model(s.client), prompt="water is", max_tokens=40,
+                                          temperature=0, extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 40
+    finally:
+        assert s.stop() == 0
+    text = s.proc.stdout.read()
+    assert re.search(r"distengine: avg prompt throughput: [\d.]+ tokens/s, avg generation throughput: "
+                     r"[\d.]+ tokens/s, running: \d+ reqs, waiting: \d+ reqs, KV cache usage: [\d.]+%", text), text
+
+
+def test_bad_stats_interval_exits_2(model):
+    env = {**os.environ, "DISTENGINE_LOG_STATS_INTERVAL": "soon"}
+    proc = subprocess.run([sys.executable, "-m", "launch.cli", "serve", model, "--device", "cpu", "--port",
+                           str(free_port())], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "DISTENGINE_LOG_STATS_INTERVAL must be a number of seconds > 0" in proc.stderr
