@@ -21,8 +21,9 @@ class EngineCore:
         self.config = config
         self.executor = executor or create_executor(config)
         self.plan = self.executor.plan  # the workers' KV cache plan: what the manager follows
+        # The token budget as the workers resolved it where they run (vLLM's default depends on the GPU).
         self.scheduler = Scheduler(self.plan, self.executor.num_blocks, config.max_num_seqs,
-                                   config.max_num_batched_tokens, config.enable_prefix_caching)
+                                   self.executor.plan_info["max_num_batched_tokens"], config.enable_prefix_caching)
         # Benchmarks set a list here: one (end time, sequences, tokens, decode only) per step.
         self.step_log: list[tuple[float, int, int, bool]] | None = None
 

@@ -70,9 +70,9 @@ def _local_device(device: str) -> str:
 
 class Executor:
     """What the engine sees: `num_blocks` (KV cache blocks per rank, the null block included),
-    `plan_info` (plain data), `plan` (the KVCachePlan for the scheduler's KVCacheManager),
-    `execute(step) -> rank 0's StepOutput` (the previous step's, for an overlapped step),
-    `check_health()`, `shutdown()`."""
+    `plan_info` (plain data; among it the token budget the workers resolved), `plan` (the
+    KVCachePlan for the scheduler's KVCacheManager), `execute(step) -> rank 0's StepOutput` (the
+    previous step's, for an overlapped step), `check_health()`, `shutdown()`."""
 
     num_blocks: int
     plan_info: dict
@@ -244,8 +244,10 @@ class RayExecutor(Executor):
                                                    "sizing the KV cache"))
             self._gather([a.allocate_kv_cache.remote(self.num_blocks) for a in self.actors], t,
                          "allocating the KV cache")
-            self.plan_info, self.plan = self._gather([self.actors[0].plan_info.remote(),
-                                                      self.actors[0].get_plan.remote()], t, "reading the plan")
+            *infos, self.plan = self._gather([a.plan_info.remote() for a in self.actors]
+                                             + [self.actors[0].get_plan.remote()], t, "reading the plan")
+            # Each rank sized its buffers for the token budget of its own device: the least holds on all.
+            self.plan_info = {**infos[0], "max_num_batched_tokens": min(i["max_num_batched_tokens"] for i in infos)}
             self.dag = self._compile()
         except BaseException as e:
             self.shutdown()

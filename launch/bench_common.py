@@ -68,7 +68,8 @@ def add_model_arguments(p) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="(default: %(default)s)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="(default: %(default)s)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="tokens per step (default: 2048, or max-model-len up to 8192)")
+                   help="tokens per step (default: 8192 on GPUs of 70 GiB or more, else 2048; at least "
+                        "max-model-len up to 8192)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--no-enable-prefix-caching", action="store_true", help="no prefix caching")
     p.add_argument("--mamba-checkpoint-interval", type=int, default=None,

@@ -37,7 +37,8 @@ def add_arguments(p) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of each GPU to use")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV cache per rank, in bytes")
     p.add_argument("--max-num-seqs", type=int, default=256, help="requests in the running batch at most")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per step at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step at most (default: 8192 on GPUs of 70 GiB or more, else 2048)")
     p.add_argument("--no-enable-prefix-caching", action="store_true", help="no prefix caching")
     p.add_argument("--mamba-checkpoint-interval", type=int, default=None,
                    help="Mamba hybrids: also keep the state every N tokens for prefix hits (default: only "

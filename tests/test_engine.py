@@ -145,6 +145,7 @@ def test_tp2_on_ray_equals_transformers(tmp_path_factory, ray_cluster, name):
     prompts = _prompts(3)
     with LLM(folder, tensor_parallel_size=2, device="cpu", dtype="float32", block_size=4, max_model_len=128) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        assert llm.scheduler.max_num_batched_tokens == 2048  # as both ranks resolved it on their CPUs
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == _hf_greedy(hf, p, 12)
 
@@ -203,3 +204,34 @@ def test_generate_command(tmp_path, capsys):
                  "--max-tokens", "3"]) == 0
     out = capsys.readouterr().out
     assert "'what is water'" in out and "'who made oil'" in out
+
+
+def test_default_token_budget_follows_the_device(monkeypatch):
+    """vLLM's default budget: 8192 tokens on a GPU of 70 GiB or more other than an A100, else 2048;
+    never below max_model_len (up to 8192) or max_num_seqs; an explicit one is kept."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from distengine.config import EngineConfig, default_batched_tokens
+    gpus = {0: ("NVIDIA H200", 143 << 30), 1: ("NVIDIA A100-SXM4-80GB", 80 << 30), 2: ("NVIDIA L4", 24 << 30)}
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: SimpleNamespace(name=gpus[d.index][0], total_memory=gpus[d.index][1]))
+
+    def budget(device, **options) -> int:
+        return default_batched_tokens(EngineConfig(model="m", **{"max_model_len": 32768, **options}), device)
+    h200, a100, l4, cpu = (torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cuda", 2),
+                           torch.device("cpu"))
+    assert [budget(d) for d in (h200, a100, l4, cpu)] == [8192, 2048, 2048, 2048]
+    assert budget(cpu, max_model_len=4096) == 4096 and budget(h200, max_model_len=4096) == 8192
+    assert budget(l4, max_num_seqs=3000) == 3000
+    assert budget(h200, max_num_batched_tokens=512) == 512
+
+
+def test_scheduler_takes_the_budget_the_worker_resolved(qwen3):
+    _, folder = qwen3
+    with LLM(folder, device="cpu", max_model_len=128) as llm:
+        assert llm.executor.plan_info["max_num_batched_tokens"] == 2048
+        assert llm.scheduler.max_num_batched_tokens == 2048
+    with LLM(folder, device="cpu", max_model_len=128, max_num_batched_tokens=40) as llm:
+        assert llm.scheduler.max_num_batched_tokens == 40 == llm.executor.plan_info["max_num_batched_tokens"]

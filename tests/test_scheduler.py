@@ -65,8 +65,9 @@ class FakeRunner:
 class FakeExecutor:
     """What a worker does with `defer_output`: launch now, answer with the previous step's output."""
 
-    def __init__(self, plan, num_blocks: int) -> None:
+    def __init__(self, plan, num_blocks: int, budget: int) -> None:
         self.plan, self.num_blocks, self.pending, self.runner = plan, num_blocks, None, None
+        self.plan_info = {"max_num_batched_tokens": budget}  # what a worker resolves
 
     def execute(self, plan: StepPlan) -> StepOutput | None:
         out = self.runner.run(plan)
@@ -83,7 +84,7 @@ def make_core(num_blocks=400, budget=4096, max_num_seqs=64, caching=True, mode="
     plan = plan_of((FULL, 2), (SLIDING, 2), window=8, block_size=4, group_size=2, max_len=max_len)
     config = EngineConfig(model="fake", max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                           enable_prefix_caching=caching, async_scheduling=mode == "async", max_model_len=max_len)
-    ex = FakeExecutor(plan, num_blocks)
+    ex = FakeExecutor(plan, num_blocks, budget)
     core = EngineCore(config, ex)
     ex.runner = FakeRunner(core.scheduler)
     return core

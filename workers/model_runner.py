@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from distengine.config import EngineConfig
+from distengine.config import EngineConfig, default_batched_tokens
 from distengine.kv_cache.model_config import parse_model_config
 from distengine.kv_cache.plan import KVCachePlan, make_plan
 from distengine.step import StepOutput, StepPlan
@@ -99,7 +99,7 @@ class ModelRunner:
                                            tp.world_size, config.block_size, config.max_model_len,
                                            mamba_checkpoint_interval=config.mamba_checkpoint_interval)
         self.vocab_size = int(text.vocab_size)
-        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_batched_tokens = default_batched_tokens(config, self.device)
         self.batch = InputBatch(self.plan, config.max_num_seqs, self.vocab_size, self.device, config.debug_checks)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.use_graphs = self.device.type == "cuda" and not config.enforce_eager

@@ -128,7 +128,7 @@ class Worker:
                 "tp_size": plan.tp_size, "dtype": str(r.dtype).removeprefix("torch."), "num_blocks": r.num_blocks,
                 "device": str(self.device), "cuda_graphs": r.graphs.sizes if r.graphs else [],
                 "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "CPU",
-                "graph_memory_bytes": r.graph_memory_bytes,
+                "graph_memory_bytes": r.graph_memory_bytes, "max_num_batched_tokens": r.max_num_batched_tokens,
                 "weight_bytes": sum(p.numel() * p.element_size() for p in r.model.parameters())}
 
     def measure_ceilings(self) -> tuple[float, float]:
