@@ -105,6 +105,15 @@ def test_unknown_parameters_are_refused_before_anything_starts(tiny, tmp_path, c
     assert "kind must be one of" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name", ["sweep_gemma3_12b.yaml", "sweep_serve.yaml", "sweep_serve_quick.yaml"])
+def test_example_sweep_files_are_valid(name):
+    """The examples the README's figures come from: every name known, every point a TP size of 1 or 2."""
+    from launch.bench_sweep import load_sweep, points
+    spec = load_sweep(os.path.join(os.path.dirname(__file__), "..", "examples", name))
+    pts = points(spec)
+    assert len(pts) >= 6 and {p["tensor_parallel_size"] for p in pts} == {1, 2}
+
+
 def _ray() -> str:
     local = os.path.join(os.path.dirname(sys.executable), "ray")
     return local if os.path.exists(local) else "ray"
