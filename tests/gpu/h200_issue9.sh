@@ -4,7 +4,8 @@
 #   bash tests/gpu/h200_issue9.sh dev     # one H200 (~7 min): GPU tests, kernel sweeps, TP=1 figures on random weights
 #   bash tests/gpu/h200_issue9.sh final   # two H200s (~8 min): all-reduce, TP=2 test, TP=1 (+HF) and TP=2 figures
 #   bash tests/gpu/h200_issue9.sh serve   # one or two H200s (~5 min per TP size): bench serve at 4 rates, +shared prefix
-#   bash tests/gpu/h200_issue9.sh sweep   # two H200s (~10 min): examples/sweep_gemma3_12b.yaml, then sweep_serve.yaml (SWEEPS="latency serve")
+#   bash tests/gpu/h200_issue9.sh sweep   # two H200s (~10 min): examples/sweep_gemma3_12b.yaml, then sweep_serve.yaml
+#                                         # (SWEEPS="latency serve"; "quick": sweep_serve_quick.yaml)
 #   bash tests/gpu/h200_issue9.sh engines # one or two H200s (~6 min): 512 prompts through LLM.generate, AsyncLLM and HTTP
 # Logs and JSON go to $OUT; a short table is printed last. Each step has its own time limit.
 set -uo pipefail
@@ -89,6 +90,7 @@ if [ "$mode" = sweep ]; then  # issue 12's figures: the two example sweeps on ra
   python3 -c "from launch.bench_common import build_random_model as b; b('/tmp/g12d', 'gemma-3-12b', weights=False)"
   for name in ${SWEEPS:-latency serve}; do  # latency: examples/sweep_gemma3_12b.yaml
     file=examples/sweep_serve.yaml; [ "$name" = latency ] && file=examples/sweep_gemma3_12b.yaml
+    [ "$name" = quick ] && file=examples/sweep_serve_quick.yaml
     timeout ${SWEEP_LIMIT:-280} $cli bench sweep $file --out "$OUT/sweep_$name" --no-progress \
         > "$OUT/sweep_$name.log" 2>&1
     tail -14 "$OUT/sweep_$name.log"
