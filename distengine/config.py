@@ -158,7 +158,6 @@ class EngineConfig:
         return self.tensor_parallel_size > 1 or bool(self.ray_address)
 
 
-
 LARGE_GPU_BYTES = 70 << 30
 
 
@@ -166,10 +165,9 @@ def default_batched_tokens(config: EngineConfig, device) -> int:
     """A step's token budget where `config` leaves it to us (0), on the device a worker runs on
     (a `torch.device`): vLLM's defaults, 8192 on a GPU of 70 GiB or more (H100, H200; not A100s, on
     which vLLM measured larger budgets lose: its PR 17885), else 2048. Bigger prefill steps run the
-    products at a higher rate and interleave fewer steps with the decodes; on one H200 (Gemma-3-12B
-    shape, 512 prompts of 512 / 128) `bench throughput` gave 4,010 output tok/s at 8192 and 16384
-    against 3,692 at 2048. At least max_model_len up to 8192 (such a prompt in one step) and
-    max_num_seqs (every running request decodes each step)."""
+    products at a higher rate and interleave fewer steps with the decodes (the README's H200
+    figures: +8.6% `bench throughput` at 8192). At least max_model_len up to 8192 (such a prompt
+    in one step) and max_num_seqs (every running request decodes each step)."""
     if config.max_num_batched_tokens:
         return config.max_num_batched_tokens
     base = 2048
