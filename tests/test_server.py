@@ -400,3 +400,39 @@ def test_bad_stats_interval_exits_2(model):
     proc = subprocess.run([sys.executable, "-m", "launch.cli", "serve", model, "--device", "cpu", "--port",
                            str(free_port())], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "DISTENGINE_LOG_STATS_INTERVAL must be a number of seconds > 0" in proc.stderr
+
+
+def test_async_llm_serves_two_event_loops_at_once(model):
+    """Each step's outputs go to every event loop with requests in it, in one hand-off per loop:
+    two loops in two threads stream at the same time and get what one loop alone gets."""
+    import asyncio
+    import threading
+
+    from distengine import SamplingParams
+    from distengine.async_llm import AsyncLLM
+    engine = AsyncLLM(model, device="cpu", dtype="float32", max_model_len=256)
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = ["the water is", "people write with"]
+
+    async def collect(prompt: str, rid: str) -> tuple[list[int], str, int]:
+        ids, text, deltas = [], "", 0
+        async for out in engine.generate(prompt, sp, rid):
+            ids += out.outputs[0].token_ids
+            text += out.outputs[0].text
+            deltas += 1
+        return ids, text, deltas
+
+    try:
+        alone = [asyncio.run(collect(p, f"alone-{i}")) for i, p in enumerate(prompts)]
+        together: dict[int, tuple] = {}
+        threads = [threading.Thread(target=lambda i=i, p=p: together.__setitem__(i, asyncio.run(collect(p, f"t-{i}"))))
+                   for i, p in enumerate(prompts)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert [together[i] for i in range(2)] == alone
+        assert all(len(ids) == 12 and deltas >= 2 for ids, _, deltas in alone)
+        assert engine.engine.scheduler.manager.usage == 0 and not engine.engine.has_unfinished()
+    finally:
+        engine.shutdown()
