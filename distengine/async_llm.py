@@ -195,7 +195,8 @@ class AsyncLLM:
     def _record_token(self, st, now: float) -> None:
         m = self.metrics
         m.count_generated()
-        if len(st.token_ids) == 1:
+        if len(st.token_ids) == 1:  # its prefill is done: its prompt counts now, as in vLLM
+            m.count_prompt(len(st.prompt_token_ids))
             m.ttft.observe(now - st.arrival_time)
         elif st.last_gap is not None:
             m.itl.observe(st.last_gap)
@@ -215,7 +216,6 @@ class AsyncLLM:
                     continue
                 self.outputs.add_request(rid, text, ids, sp, arrival)
                 self._streams[rid] = stream
-                self.metrics.count_prompt(len(ids))
             else:
                 rid = cmd[1]
                 self.engine.abort([rid])

@@ -32,7 +32,7 @@ class EngineMetrics:
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Requests preempted (recomputed later).")
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests admitted.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled (counted at each request's first token).")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.ttft = histogram("time_to_first_token_seconds", "Time from a request's arrival to its first token.")
         self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a request.")
@@ -50,7 +50,7 @@ class EngineMetrics:
         self.generation_total += tokens
 
     def totals(self) -> tuple[int, int, int, int]:
-        """Prompt tokens admitted, tokens generated, prefix-cache queries and hits, so far."""
+        """Prompt tokens prefilled, tokens generated, prefix-cache queries and hits, so far."""
         return self.prompt_total, self.generation_total, self._seen[0], self._seen[1]
 
     def record_state(self, scheduler) -> None:

@@ -414,13 +414,13 @@ def test_async_llm_serves_two_event_loops_at_once(model):
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = ["the water is", "people write with"]
 
-    async def collect(prompt: str, rid: str) -> tuple[list[int], str, int]:
+    async def collect(prompt: str, rid: str) -> tuple[list[int], str, int, int]:
         ids, text, deltas = [], "", 0
         async for out in engine.generate(prompt, sp, rid):
             ids += out.outputs[0].token_ids
             text += out.outputs[0].text
             deltas += 1
-        return ids, text, deltas
+        return ids, text, deltas, len(out.prompt_token_ids)
 
     try:
         alone = [asyncio.run(collect(p, f"alone-{i}")) for i, p in enumerate(prompts)]
@@ -432,7 +432,9 @@ def test_async_llm_serves_two_event_loops_at_once(model):
         for t in threads:
             t.join(timeout=120)
         assert [together[i] for i in range(2)] == alone
-        assert all(len(ids) == 12 and deltas >= 2 for ids, _, deltas in alone)
+        assert all(len(ids) == 12 and deltas >= 2 for ids, _, deltas, _ in alone)
         assert engine.engine.scheduler.manager.usage == 0 and not engine.engine.has_unfinished()
+        # The counters behind /metrics and the stats line: every prompt once, every token once.
+        assert engine.metrics.totals()[:2] == (2 * sum(r[3] for r in alone), 4 * 12)
     finally:
         engine.shutdown()
