@@ -1,6 +1,8 @@
 """On a GPU: tile sweep of `kernels.gemv.skinny_gemm` against cuBLAS at Gemma-3-12B's projection
-shapes, each configuration timed inside a CUDA graph of calls on their own weights (as
-`micro_b1.py`). `skinny_config`'s rule is the best of this sweep per shape (one H200).
+shapes (and their TP=2 shards), each configuration timed inside a CUDA graph of calls on their
+own weights (as `micro_b1.py`). `skinny_config`'s rule is the best of this sweep per shape (one
+H200). Rows past SKINNY_MAX_ROWS launch the kernel itself with a 64-row tile, to see whether it
+could beat cuBLAS there too.
 
     python tests/gpu/sweep_skinny.py [ROWS ...]     # default 8 16 32
 """
@@ -11,14 +13,33 @@ import sys
 
 import torch
 
-from kernels.gemv import skinny_gemm
+import triton
+
+from kernels.gemv import SKINNY_MAX_ROWS, _skinny_kernel, skinny_gemm
+from kernels.paged_attention import _interpreter_bf16
 from launch.bench_common import copy_bandwidth
 from tests.gpu.micro_b1 import REPS, graph_time_us
 
-SHAPES = {"qkv": (8192, 3840), "o_proj": (3840, 4096), "gate_up": (30720, 3840), "down": (3840, 15360)}
+SHAPES = {"qkv": (8192, 3840), "o_proj": (3840, 4096), "gate_up": (30720, 3840), "down": (3840, 15360),
+          "qkv/2": (4096, 3840), "o_proj/2": (3840, 2048), "gate_up/2": (15360, 3840), "down/2": (3840, 7680)}
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP)
 CONFIGS = ([(bn, bk, w, st, True) for bn, bk, w, st in itertools.product((16, 32), (256, 512, 1024), (4, 8), (3, 4, 6))]
            + [(64, 256, 4, st, sw) for st, sw in itertools.product((2, 3, 4, 5), (False, True))])
+# 64-row tiles: wider columns, shallower keys.
+WIDE = [(bn, bk, w, st, sw) for bn, bk, w, st, sw in
+        itertools.product((32, 64), (128, 256), (4, 8), (3, 4), (False, True))]
+
+
+def wide_rows(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """`skinny_gemm`'s kernel over more rows (a 64- or 128-row tile), no bias."""
+    m, k = x.shape
+    n = w.shape[0]
+    _skinny_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+        x, w, x, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), HAS_BIAS=False,
+        EVEN=(n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0), SWAP=cfg["SWAP"], DOT_F32=_interpreter_bf16(x),
+        PRECISION="tf32", BLOCK_M=64 if m <= 64 else 128, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
+    return y
 
 
 def main() -> int:
@@ -34,18 +55,19 @@ def main() -> int:
             ref = torch.nn.functional.linear(x.float(), ws[0].float())
             t_cublas = graph_time_us([lambda w=w, y=y: torch.nn.functional.linear(x, w, out=y) for w, y in zip(ws, ys)])
             res = []
-            for bn, bk, warps, stages, swap in CONFIGS:
+            wide = m > SKINNY_MAX_ROWS
+            op = wide_rows if wide else (lambda x, w, y, cfg: skinny_gemm(x, w, out=y, config=cfg))
+            for bn, bk, warps, stages, swap in WIDE if wide else CONFIGS:
                 cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages, "SWAP": swap}
                 try:
-                    y = skinny_gemm(x, ws[0], out=ys[0], config=cfg)
+                    y = op(x, ws[0], ys[0], cfg)
                 except Exception as e:  # a configuration out of shared memory
                     print(f"  {name} rows {m} {cfg}: {type(e).__name__}", flush=True)
                     continue
                 if (y.float() - ref).abs().max().item() > 0.02 * ref.abs().max().item():
                     print(f"  {name} rows {m} {cfg}: wrong", flush=True)
                     continue
-                t = graph_time_us([lambda w=w, y=y, cfg=cfg: skinny_gemm(x, w, out=y, config=cfg)
-                                   for w, y in zip(ws, ys)])
+                t = graph_time_us([lambda w=w, y=y, cfg=cfg: op(x, w, y, cfg) for w, y in zip(ws, ys)])
                 res.append((t, (bn, bk, warps, stages, swap)))
             res.sort()
             print(f"{name:8} rows {m:<3} ideal {ideal:6.1f}  cuBLAS {t_cublas:6.1f}  best "
