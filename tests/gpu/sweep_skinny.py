@@ -1,10 +1,10 @@
 """On a GPU: tile sweep of `kernels.gemv.skinny_gemm` against cuBLAS at Gemma-3-12B's projection
 shapes (and their TP=2 shards), each configuration timed inside a CUDA graph of calls on their
 own weights (as `micro_b1.py`). `skinny_config`'s rule is the best of this sweep per shape (one
-H200). Rows past SKINNY_MAX_ROWS launch the kernel itself with a 64-row tile, to see whether it
-could beat cuBLAS there too.
+H200). Rows past SKINNY_MAX_ROWS launch the kernel itself with a 64- or 128-row tile, to see
+whether it could beat cuBLAS there too (it did not enough: the README).
 
-    python tests/gpu/sweep_skinny.py [ROWS ...]     # default 8 16 32
+    python tests/gpu/sweep_skinny.py [ROWS ...]     # default 8 16 32; e.g. 64 128
 """
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import itertools
 import sys
 
 import torch
-
 import triton
 
 from kernels.gemv import SKINNY_MAX_ROWS, _skinny_kernel, skinny_gemm
@@ -25,7 +24,7 @@ SHAPES = {"qkv": (8192, 3840), "o_proj": (3840, 4096), "gate_up": (30720, 3840),
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, SWAP)
 CONFIGS = ([(bn, bk, w, st, True) for bn, bk, w, st in itertools.product((16, 32), (256, 512, 1024), (4, 8), (3, 4, 6))]
            + [(64, 256, 4, st, sw) for st, sw in itertools.product((2, 3, 4, 5), (False, True))])
-# 64-row tiles: wider columns, shallower keys.
+# Tiles for 64 and 128 rows: wider columns, shallower keys.
 WIDE = [(bn, bk, w, st, sw) for bn, bk, w, st, sw in
         itertools.product((32, 64), (128, 256), (4, 8), (3, 4), (False, True))]
 
@@ -36,9 +35,9 @@ def wide_rows(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: dict) -> t
     n = w.shape[0]
     _skinny_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
         x, w, x, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), HAS_BIAS=False,
-        EVEN=(n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0), SWAP=cfg["SWAP"], DOT_F32=_interpreter_bf16(x),
-        PRECISION="tf32", BLOCK_M=64 if m <= 64 else 128, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        EVEN=(n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0), SWAP=cfg["SWAP"],
+        DOT_F32=_interpreter_bf16(x), PRECISION="tf32", BLOCK_M=64 if m <= 64 else 128, BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return y
 
 
