@@ -4,8 +4,9 @@ The engine loop (`EngineCore.step`, the output processor) runs in its own thread
 never stalls a step and a step never stalls the event loop. Requests reach that thread through a
 queue and join the running batch at its next step (continuous batching across clients); each
 request's outputs come back through its own asyncio queue as deltas: the new text and token ids
-since the last one, the last one marked finished. A request whose consumer goes away (the client
-disconnected, the iterator was closed) is aborted at once and its blocks return to the pool.
+since the last one (several steps' worth when the consumer fell behind), the last one marked
+finished. A request whose consumer goes away (the client disconnected, the iterator was closed)
+is aborted at once and its blocks return to the pool.
 
 If the engine dies (a worker raised or died), every request in flight ends with `EngineDeadError`
 and so does every later one.
@@ -26,7 +27,7 @@ from distengine.inputs import InputProcessor
 from distengine.llm import eos_token_ids, load_tokenizer
 from distengine.metrics import EngineMetrics, StatsLogger
 from distengine.output_processor import OutputProcessor
-from distengine.outputs import RequestOutput
+from distengine.outputs import CompletionOutput, RequestOutput
 from distengine.sampling_params import SamplingParams
 from distengine.scheduler import EngineRequest
 from workers.loader import load_hf_config, resolve_model_path, text_config
@@ -62,6 +63,16 @@ class _Outbox:
 def _deliver(batch: list[tuple[asyncio.Queue, object]]) -> None:
     for q, item in batch:
         q.put_nowait(item)
+
+
+def _merged(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Two consecutive deltas of one request as one."""
+    x, y = a.outputs[0], b.outputs[0]
+    logprobs = None if x.logprobs is None and y.logprobs is None else (x.logprobs or []) + (y.logprobs or [])
+    comp = CompletionOutput(index=y.index, text=x.text + y.text, token_ids=x.token_ids + y.token_ids,
+                            finish_reason=y.finish_reason, stop_reason=y.stop_reason, logprobs=logprobs)
+    return RequestOutput(request_id=b.request_id, prompt=b.prompt, prompt_token_ids=b.prompt_token_ids,
+                         num_cached_tokens=b.num_cached_tokens, finished=b.finished, outputs=[comp])
 
 
 class AsyncLLM:
@@ -109,12 +120,22 @@ class AsyncLLM:
         self._commands.put(("add", request_id, text, ids, sampling_params, stream, time.monotonic()))
         self._wake.set()
         finished = False
+        held = None  # an error found while merging, raised after what came before it
         try:
             while not finished:
-                out = await stream.queue.get()
+                out = held if held is not None else await stream.queue.get()
+                held = None
                 if isinstance(out, BaseException):
                     finished = True  # nothing of it is left in the engine
                     raise out
+                # A consumer that fell behind gets what piled up as one delta (as vLLM's output
+                # collector does): a slow client or a busy event loop costs one chunk, not one per step.
+                while not out.finished and not stream.queue.empty():
+                    more = stream.queue.get_nowait()
+                    if isinstance(more, BaseException):
+                        held = more
+                        break
+                    out = _merged(out, more)
                 finished = out.finished
                 yield out
         finally:
