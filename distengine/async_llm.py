@@ -194,6 +194,7 @@ class AsyncLLM:
                 finished, stops, touched = self.outputs.process(updates, now)
                 for rid, matched in stops:
                     self.engine.finish_request(rid, "stop", matched)
+                self.metrics.count_generated(len(touched))  # one token each: one counter update per step
                 for st in touched:
                     self._record_token(st, now)
                     stream = self._streams.get(st.req_id)
@@ -215,7 +216,6 @@ class AsyncLLM:
 
     def _record_token(self, st, now: float) -> None:
         m = self.metrics
-        m.count_generated()
         if len(st.token_ids) == 1:  # its prefill is done: its prompt counts now, as in vLLM
             m.count_prompt(len(st.prompt_token_ids))
             m.ttft.observe(now - st.arrival_time)
