@@ -1,27 +1,30 @@
 """`AsyncLLM`: the engine for many clients at once, on asyncio.
 
-The engine loop (`EngineCore.step`, the output processor) runs in its own thread, so HTTP work
-never stalls a step and a step never stalls the event loop. Requests reach that thread through a
-queue and join the running batch at its next step (continuous batching across clients); each
+The engine loop (`distengine.engine_loop`: schedule, step, sampled tokens back) runs in a process
+of its own by default, else in a thread (`distengine.core_client`), so HTTP work never stalls a
+step and a step never stalls the event loop. Requests reach it as messages and join the running
+batch at its next step (continuous batching across clients). The front end (this object, in the
+server's process) checks inputs, detokenizes, applies stop strings and keeps the metrics; each
 request's outputs come back through its own asyncio queue as deltas: the new text and token ids
 since the last one (several steps' worth when the consumer fell behind), the last one marked
 finished. A request whose consumer goes away (the client disconnected, the iterator was closed)
 is aborted at once and its blocks return to the pool.
 
-If the engine dies (a worker raised or died), every request in flight ends with `EngineDeadError`
-and so does every later one.
+If the engine dies (a worker raised or died, the engine process ended), every request in flight
+ends with `EngineDeadError` and so does every later one.
 """
 from __future__ import annotations
 
 import asyncio
-import queue
+import os
 import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from distengine.config import EngineConfig
-from distengine.engine_core import EngineCore
+from distengine.core_client import EngineClient, ProcessEngineClient, ThreadEngineClient
+from distengine.engine_loop import unpack_updates
 from distengine.executor import EngineDeadError
 from distengine.inputs import InputProcessor
 from distengine.llm import eos_token_ids, load_tokenizer
@@ -29,21 +32,21 @@ from distengine.metrics import EngineMetrics, StatsLogger
 from distengine.output_processor import OutputProcessor
 from distengine.outputs import CompletionOutput, RequestOutput
 from distengine.sampling_params import SamplingParams
-from distengine.scheduler import EngineRequest
+from distengine.scheduler import EngineRequest, SchedulerStats
 from workers.loader import load_hf_config, resolve_model_path, text_config
 
 
 @dataclass
 class _Stream:
-    """One request's outputs, delivered from the engine thread into the request's event loop."""
+    """One request's outputs, delivered into the request's event loop."""
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
 
 
 class _Outbox:
-    """What the engine thread hands to the event loops, sent in one go: one wake-up per loop and
+    """What a step's outputs hand to the event loops, sent in one go: one wake-up per loop and
     step, not one per request. With hundreds of streams the wake-ups would cost the event loop more
-    than the outputs themselves, and that loop shares the interpreter with the engine thread."""
+    than the outputs themselves."""
 
     def __init__(self) -> None:
         self._items: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
@@ -75,32 +78,43 @@ def _merged(a: RequestOutput, b: RequestOutput) -> RequestOutput:
                          num_cached_tokens=b.num_cached_tokens, finished=b.finished, outputs=[comp])
 
 
+def engine_process_default() -> bool:
+    """$DISTENGINE_ENGINE_PROCESS: 1 (the default) runs the engine loop in a process of its own, 0
+    in a thread of this one."""
+    text = os.environ.get("DISTENGINE_ENGINE_PROCESS", "1")
+    if text not in ("0", "1"):
+        raise ValueError(f"DISTENGINE_ENGINE_PROCESS must be 0 or 1, got {text!r}")
+    return text == "1"
+
+
 class AsyncLLM:
     """`AsyncLLM(model, **options)`: the options are `EngineConfig`'s, as for `LLM`.
     `log_stats_interval` (seconds): log vLLM's stats line that often while there is work (logger
-    `distengine.stats`, level INFO); None: no line."""
+    `distengine.stats`, level INFO); None: no line. `engine_process`: the engine loop in a process
+    of its own (True) or in a thread of this one (False); None: `engine_process_default()`."""
 
     def __init__(self, model: str, metrics_name: str | None = None, log_stats_interval: float | None = None,
-                 **options) -> None:
+                 engine_process: bool | None = None, **options) -> None:
         self.stats_logger = StatsLogger(log_stats_interval) if log_stats_interval is not None else None
         self.config = EngineConfig.create(model, **options)
         path = resolve_model_path(self.config.model)
         self.tokenizer = load_tokenizer(self.config.tokenizer or str(path))
         self.eos_token_ids = eos_token_ids(path, text_config(load_hf_config(path)))
-        self.engine = EngineCore(self.config)
         self.max_model_len = self.config.max_model_len
-        self.vocab_size = self.engine.executor.plan_info["vocab_size"]
-        self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics(metrics_name or self.config.model)
         self.dead: EngineDeadError | None = None
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
-        self._outbox = _Outbox()  # the engine thread's
+        self._streams_lock = threading.Lock()  # one request id, one stream
+        self._outbox = _Outbox()  # the message handler's
         self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="distengine-engine", daemon=True)
-        self._thread.start()
+        if engine_process is None:
+            engine_process = engine_process_default()
+        client = ProcessEngineClient if engine_process else ThreadEngineClient
+        self.engine: EngineClient = client(self.config, self._on_message)
+        self.plan, self.plan_info = self.engine.plan, self.engine.plan_info
+        self.vocab_size = self.plan_info["vocab_size"]
+        self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len)
 
     # ---- the event loop's side -------------------------------------------------------------
     def check(self, prompt, sampling_params: SamplingParams) -> tuple[str | None, list[int]]:
@@ -117,8 +131,16 @@ class AsyncLLM:
         self._raise_if_dead()
         text, ids = checked if checked is not None else await asyncio.to_thread(self.check, prompt, sampling_params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._commands.put(("add", request_id, text, ids, sampling_params, stream, time.monotonic()))
-        self._wake.set()
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self.outputs.add_request(request_id, text, ids, sampling_params, time.monotonic())
+            self._streams[request_id] = stream
+        if self.dead is not None:  # it died while this one was being registered
+            self._forget(request_id)
+            raise self.dead
+        self.engine.send(("add", EngineRequest(request_id, ids, sampling=sampling_params,
+                                               eos_token_ids=self.eos_token_ids)))
         finished = False
         held = None  # an error found while merging, raised after what came before it
         try:
@@ -143,8 +165,13 @@ class AsyncLLM:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
-        self._wake.set()
+        if self._forget(request_id):
+            self.engine.send(("abort", request_id))
+
+    def collective_rpc(self, method: str, args: tuple = (), ranks: list[int] | None = None) -> list:
+        """`Worker.method(*args)` on the given ranks (default: all), between two steps."""
+        self._raise_if_dead()
+        return self.engine.call("collective_rpc", method, args, ranks).result()
 
     @property
     def is_running(self) -> bool:
@@ -157,62 +184,73 @@ class AsyncLLM:
             raise EngineDeadError("the engine is shutting down")
 
     async def check_health(self, timeout: float = 3.0) -> None:
-        """Raises EngineDeadError unless the engine and every worker answer."""
+        """Raises EngineDeadError unless the engine loop and every worker answer."""
         self._raise_if_dead()
-        executor = self.engine.executor
         try:
-            await asyncio.wait_for(asyncio.to_thread(executor.check_health), timeout)
+            await asyncio.wait_for(asyncio.wrap_future(self.engine.call("check_health")), timeout)
         except asyncio.TimeoutError:
-            raise EngineDeadError(f"a worker did not answer a health check within {timeout:g} s") from None
+            raise EngineDeadError(f"the engine did not answer a health check within {timeout:g} s") from None
 
     def shutdown(self) -> None:
         if self._stopping:
             return
         self._stopping = True
-        self._wake.set()
-        self._thread.join(timeout=30)
-        outbox = _Outbox()
-        for stream in self._streams.values():
-            outbox.put(stream, EngineDeadError("the engine shut down"))
-        outbox.flush()
-        self._streams.clear()
         self.engine.shutdown()
+        self._end_streams(EngineDeadError("the engine shut down"))
 
-    # ---- the engine thread -------------------------------------------------------------------
-    def _loop(self) -> None:
-        try:
-            while not self._stopping:
-                self._apply_commands()
-                sched = self.engine.scheduler
-                if not (sched.has_unfinished() or sched.has_in_flight()):
-                    self._record_state(sched)
-                    self._wake.wait(0.05)
-                    self._wake.clear()
-                    continue
-                updates = self.engine.step()
-                now = time.monotonic()
-                finished, stops, touched = self.outputs.process(updates, now)
-                for rid, matched in stops:
-                    self.engine.finish_request(rid, "stop", matched)
-                self.metrics.count_generated(len(touched))  # one token each: one counter update per step
-                for st in touched:
-                    self._record_token(st, now)
-                    stream = self._streams.get(st.req_id)
-                    if stream is not None:
-                        self._outbox.put(stream, st.delta())
-                for st in finished:
-                    self.metrics.e2e.observe(now - st.arrival_time)
-                    self._streams.pop(st.req_id, None)
-                    self.outputs.pop(st.req_id)
+    # ---- the engine's messages (from its thread, or from the thread reading its process) ------
+    def _on_message(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "out":
+            self._on_step(unpack_updates(msg[1]), msg[2])
+        elif kind == "stats":
+            self._record_state(msg[1])
+        elif kind == "refused":
+            _, rid, error = msg
+            stream = self._streams.get(rid)
+            if self._forget(rid) and stream is not None:
+                self._outbox.put(stream, error)
                 self._outbox.flush()
-                self._record_state(sched)
-        except BaseException as e:  # noqa: BLE001 - the engine is gone: every request must hear it
-            self._fail(e)
+        elif kind == "dead":
+            self.dead = msg[1]
+            self._end_streams(self.dead)
 
-    def _record_state(self, sched) -> None:
-        self.metrics.record_state(sched)
+    def _on_step(self, updates, stats: SchedulerStats) -> None:
+        now = time.monotonic()
+        finished, stops, touched = self.outputs.process(updates, now)
+        for rid, matched in stops:
+            self.engine.send(("finish", rid, matched))
+        self.metrics.count_generated(len(touched))  # one token each: one counter update per step
+        for st in touched:
+            self._record_token(st, now)
+            stream = self._streams.get(st.req_id)
+            if stream is not None:
+                self._outbox.put(stream, st.delta())
+        for st in finished:
+            self.metrics.e2e.observe(now - st.arrival_time)
+            self._forget(st.req_id)
+        self._outbox.flush()
+        self._record_state(stats)
+
+    def _forget(self, request_id: str) -> bool:
+        """Drop a request's stream and output state; False when it had none left."""
+        with self._streams_lock:
+            self.outputs.pop(request_id)
+            return self._streams.pop(request_id, None) is not None
+
+    def _end_streams(self, error: BaseException) -> None:
+        with self._streams_lock:
+            streams, self._streams = self._streams, {}
+            self.outputs.requests.clear()
+        outbox = _Outbox()
+        for stream in streams.values():
+            outbox.put(stream, error)
+        outbox.flush()
+
+    def _record_state(self, stats: SchedulerStats) -> None:
+        self.metrics.record_state(stats)
         if self.stats_logger is not None:
-            self.stats_logger.tick(time.monotonic(), self.metrics, sched)
+            self.stats_logger.tick(time.monotonic(), self.metrics, stats)
 
     def _record_token(self, st, now: float) -> None:
         m = self.metrics
@@ -221,40 +259,3 @@ class AsyncLLM:
             m.ttft.observe(now - st.arrival_time)
         elif st.last_gap is not None:
             m.itl.observe(st.last_gap)
-
-    def _apply_commands(self) -> None:
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if cmd[0] == "add":
-                _, rid, text, ids, sp, stream, arrival = cmd
-                try:
-                    self.engine.add_request(EngineRequest(rid, ids, sampling=sp, eos_token_ids=self.eos_token_ids))
-                except (ValueError, TypeError) as e:  # e.g. a request id already in use
-                    self._outbox.put(stream, e)
-                    continue
-                self.outputs.add_request(rid, text, ids, sp, arrival)
-                self._streams[rid] = stream
-            else:
-                rid = cmd[1]
-                self.engine.abort([rid])
-                self.outputs.pop(rid)
-                self._streams.pop(rid, None)
-        self._outbox.flush()  # refused requests hear it now, not after the next step
-
-    def _fail(self, e: BaseException) -> None:
-        self.dead = e if isinstance(e, EngineDeadError) else EngineDeadError(f"the engine loop failed: {e}", e)
-        outbox = self._outbox  # with what the failed step had already put in it
-        for stream in self._streams.values():
-            outbox.put(stream, self.dead)
-        self._streams.clear()
-        while True:  # requests that arrived meanwhile
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if cmd[0] == "add":
-                outbox.put(cmd[5], self.dead)
-        outbox.flush()

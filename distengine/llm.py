@@ -73,6 +73,15 @@ class LLM:
     def stats(self) -> SchedulerStats:
         return self.engine.stats()
 
+    @property
+    def plan_info(self) -> dict:
+        """What the workers report of themselves: device, dtype, vocabulary, weight bytes, ..."""
+        return self.executor.plan_info
+
+    def collective_rpc(self, method: str, args: tuple = (), ranks: list[int] | None = None) -> list:
+        """`Worker.method(*args)` on the given ranks (default: all), their results in rank order."""
+        return self.executor.collective_rpc(method, args, ranks)
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

@@ -1,9 +1,12 @@
-"""Prometheus metrics of a serving engine, with vLLM's metric names under our prefix. The engine
-thread records them (prometheus_client's metrics are thread-safe); the server exposes the
-registry at /metrics. `StatsLogger` writes vLLM's periodic log line from the same counts."""
+"""Prometheus metrics of a serving engine, with vLLM's metric names under our prefix. `AsyncLLM`
+records them from each step's outputs and the scheduler's figures (prometheus_client's metrics are
+thread-safe); the server exposes the registry at /metrics. `StatsLogger` writes vLLM's periodic
+log line from the same counts."""
 from __future__ import annotations
 
 import logging
+
+from distengine.scheduler import SchedulerStats
 
 PREFIX = "distengine:"
 # Seconds: from a millisecond to minutes (vLLM's buckets, roughly).
@@ -53,13 +56,12 @@ class EngineMetrics:
         """Prompt tokens prefilled, tokens generated, prefix-cache queries and hits, so far."""
         return self.prompt_total, self.generation_total, self._seen[0], self._seen[1]
 
-    def record_state(self, scheduler) -> None:
-        """Gauges and the scheduler's cumulative counts, after a step (engine thread)."""
-        self.running.set(len(scheduler.running))
-        self.waiting.set(len(scheduler.waiting))
-        self.kv_usage.set(scheduler.manager.usage)
-        stats = scheduler.manager.prefix_cache_stats
-        now = (stats.queries, stats.hits, scheduler.num_preemptions)
+    def record_state(self, stats: SchedulerStats) -> None:
+        """Gauges and the scheduler's cumulative counts, after a step."""
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.kv_usage.set(stats.kv_usage)
+        now = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.preemptions)
         for metric, new, old in zip((self.prefix_queries, self.prefix_hits, self.preemptions), now, self._seen):
             if new > old:
                 metric.inc(new - old)
@@ -73,7 +75,7 @@ class EngineMetrics:
 class StatsLogger:
     """vLLM's periodic log line: every `interval` seconds in which the engine had work, the
     prompt and generation throughput over the interval, the requests running and waiting, the KV
-    cache's usage and the prefix cache's hit rate over the interval (engine thread)."""
+    cache's usage and the prefix cache's hit rate over the interval."""
 
     def __init__(self, interval: float, logger: logging.Logger | None = None) -> None:
         if not interval > 0:
@@ -82,7 +84,7 @@ class StatsLogger:
         self.logger = logger or logging.getLogger("distengine.stats")
         self._last: tuple[float, tuple[int, int, int, int]] | None = None
 
-    def tick(self, now: float, metrics: EngineMetrics, scheduler) -> None:
+    def tick(self, now: float, metrics: EngineMetrics, stats: SchedulerStats) -> None:
         totals = metrics.totals()
         if self._last is None:
             self._last = (now, totals)
@@ -92,11 +94,11 @@ class StatsLogger:
             return
         self._last = (now, totals)
         prompt, generated, queries, hits = (a - b for a, b in zip(totals, before))
-        running, waiting = len(scheduler.running), len(scheduler.waiting)
+        running, waiting = stats.running, stats.waiting
         if not (prompt or generated or running or waiting):
             return  # idle: nothing to report
         dt = now - then
         self.logger.info(f"avg prompt throughput: {prompt / dt:.1f} tokens/s, avg generation throughput: "
                          f"{generated / dt:.1f} tokens/s, running: {running} reqs, waiting: {waiting} reqs, "
-                         f"KV cache usage: {100 * scheduler.manager.usage:.1f}%, prefix cache hit rate: "
+                         f"KV cache usage: {100 * stats.kv_usage:.1f}%, prefix cache hit rate: "
                          f"{100 * hits / queries if queries else 0.0:.1f}%")

@@ -70,6 +70,8 @@ class SchedulerStats:
     peak_kv_usage: float
     prefix_cache_hit_rate: float
     preemptions: int
+    prefix_cache_queries: int = 0  # prompt tokens looked up so far
+    prefix_cache_hits: int = 0     # ... and found
 
 
 class Scheduler:
@@ -111,9 +113,10 @@ class Scheduler:
         return True
 
     def finish_request(self, request_id: str, reason: str, stop_reason: int | str | None = None) -> None:
-        """Used by the engine for conditions it checks itself (stop strings)."""
+        """Used by the engine for conditions it checks itself (stop strings). A request that has
+        ended meanwhile (its engine ran on while the stop string was found elsewhere) stays as it is."""
         req = self.requests.get(request_id)
-        if req is not None:
+        if req is not None and req.status != Status.FINISHED:
             self._finish(req, reason, stop_reason)
 
     def _finish(self, req: EngineRequest, reason: str, stop_reason: int | str | None = None) -> None:
@@ -136,8 +139,9 @@ class Scheduler:
         return bool(self._in_flight)
 
     def stats(self) -> SchedulerStats:
+        prefix = self.manager.prefix_cache_stats
         return SchedulerStats(len(self.running), len(self.waiting), self.manager.usage, self.peak_kv_usage,
-                              self.manager.prefix_cache_stats.hit_rate, self.num_preemptions)
+                              prefix.hit_rate, self.num_preemptions, prefix.queries, prefix.hits)
 
     # ---- one step ------------------------------------------------------------------------
     def _tokens_to_compute(self, req: EngineRequest) -> int:

@@ -203,8 +203,8 @@ class Roofline:
 
 
 def roofline_of(engine, bandwidth: float, matmul: float) -> Roofline:
-    """The roofline of the model an `EngineCore` (`LLM.engine`, `AsyncLLM.engine`) serves."""
-    info = engine.executor.plan_info
+    """The roofline of the model an `LLM` or `AsyncLLM` serves."""
+    info = engine.plan_info
     plan = engine.plan
     import math
     from workers.loader import load_hf_config, resolve_model_path

@@ -43,8 +43,8 @@ def run(args) -> int:
     results = []
     with bc.make_llm(args, model, args.input_len + args.output_len) as llm:
         # The ceilings of the roofline, measured on rank 0's device, where the engine runs.
-        bandwidth, matmul = llm.executor.collective_rpc("measure_ceilings", ranks=[0])[0]
-        rf = bc.roofline_of(llm.engine, bandwidth, matmul)
+        bandwidth, matmul = llm.collective_rpc("measure_ceilings", ranks=[0])[0]
+        rf = bc.roofline_of(llm, bandwidth, matmul)
         params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
         for b in args.batch_size:
             # Fresh prompts every iteration: repeated ones would be served by the prefix cache.

@@ -132,7 +132,8 @@ def _serve_point(model: str, device: str, point: dict) -> dict:
     from launch.serve import build_app
     engine_kw = {k: point[k] for k in ENGINE & set(point) if k not in ("enable_prefix_caching", "async_scheduling",
                                                                      "custom_all_reduce")}
-    engine = AsyncLLM(model, device=device, distributed_executor_backend="ray",
+    # The engine loop stays in this task's process: its workers go on the task's placement group.
+    engine = AsyncLLM(model, device=device, distributed_executor_backend="ray", engine_process=False,
                       enable_prefix_caching=point.get("enable_prefix_caching", True),
                       async_scheduling=point.get("async_scheduling", True),
                       disable_custom_all_reduce=not point.get("custom_all_reduce", False), **engine_kw)
@@ -158,7 +159,7 @@ def _serve_point(model: str, device: str, point: dict) -> dict:
         res = asyncio.run(bench_serve._benchmark(args, f"http://127.0.0.1:{port}"))
         server.should_exit = True
         thread.join(timeout=30)
-        res["device"] = engine.engine.executor.plan_info["device_name"]
+        res["device"] = engine.plan_info["device_name"]
         return res
     finally:
         engine.shutdown()

@@ -26,8 +26,8 @@ def add_arguments(p) -> None:
     p.add_argument("--output-len", type=int, default=128, help="output tokens (default: %(default)s)")
     p.add_argument("--dataset-path", default=None, help="JSON or JSON-lines requests instead of random ones")
     p.add_argument("--async-engine", action="store_true",
-                   help="run the requests through AsyncLLM (the server's engine: its own thread, every request "
-                        "streamed) instead of LLM.generate")
+                   help="run the requests through AsyncLLM (the server's engine: its loop in a process of its own, "
+                        "$DISTENGINE_ENGINE_PROCESS=0 for a thread; every request streamed) instead of LLM.generate")
 
 
 def _llm_generate(llm, prompts: list[dict], params: list, tag: str) -> int:
@@ -112,13 +112,13 @@ def run(args) -> int:
         generate = _llm_generate
     try:
         # The ceilings of the roofline, measured on rank 0's device, where the engine runs.
-        bandwidth, matmul = runner.engine.executor.collective_rpc("measure_ceilings", ranks=[0])[0]
-        rf = bc.roofline_of(runner.engine, bandwidth, matmul)
+        bandwidth, matmul = runner.collective_rpc("measure_ceilings", ranks=[0])[0]
+        rf = bc.roofline_of(runner, bandwidth, matmul)
         generate(runner, prompts[:warm], params[:warm], "warm-up")
         t = time.perf_counter()
         n_out = generate(runner, prompts, params, "bench")
         elapsed = time.perf_counter() - t
-        info = dict(runner.engine.executor.plan_info)
+        info = dict(runner.plan_info)
     finally:
         runner.shutdown()
     n_in = sum(prompt_lens)

@@ -85,7 +85,7 @@ def test_mamba_hybrid_roofline_moves_each_state_twice(tmp_path):
     folder = str(tmp_path / "tb")
     build_random_model(folder, "tiny-bamba", "cpu")
     with LLM(folder, device="cpu", max_model_len=64) as llm:
-        rf = roofline_of(llm.engine, bandwidth=1e12, matmul=1e12)
+        rf = roofline_of(llm, bandwidth=1e12, matmul=1e12)
         plan = llm.plan
     mamba = [layer for layer in plan.layers if layer.kind == "mamba"]
     attn = [layer for layer in plan.layers if layer.kind != "mamba"]

@@ -144,6 +144,57 @@ def test_completions_and_chat_equal_llm_generate(server, reference):
     assert r.usage.prompt_tokens == 5
 
 
+def test_stop_string_found_by_the_front_end_ends_the_request_in_the_engine(server, model):
+    """Stop strings are the front end's (it detokenizes); the engine, in its own process, hears
+    of the match, frees the request's blocks, and the text is `LLM.generate`'s with the same stop."""
+    from distengine import LLM, SamplingParams
+    long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with LLM(model, device="cpu", dtype="float32", max_model_len=256) as llm:
+        full = llm.generate("what is water", long, use_tqdm=False)[0].outputs[0].text
+        stop = full.strip()[len(full.strip()) // 3:][:2]
+        expected = llm.generate("what is water", SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                                                                stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert expected.finish_reason == "stop" and len(expected.token_ids) < 40, (full, stop)
+    c = server.client
+    for stream in (False, True):
+        r = c.completions.create(model=server_model(c), prompt="what is water", max_tokens=40, temperature=0,
+                                 stop=[stop], stream=stream, extra_body={"ignore_eos": True})
+        chunks = list(r) if stream else [r]
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == expected.text
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
+    server.wait_idle()
+
+
+def test_a_stop_string_stops_the_engine_too(model):
+    """The engine stops computing a request once the front end finds its stop string (it does
+    not run on to max_tokens): counted in the engine's steps (the loop in a thread, to see them)."""
+    import asyncio
+
+    from distengine import SamplingParams
+    from distengine.async_llm import AsyncLLM
+    engine = AsyncLLM(model, device="cpu", dtype="float32", max_model_len=256, engine_process=False)
+
+    async def run(sp: SamplingParams, rid: str) -> tuple[list[int], str]:
+        ids, text = [], ""
+        async for out in engine.generate("what is water", sp, rid):
+            ids += out.outputs[0].token_ids
+            text += out.outputs[0].text
+        return ids, text
+
+    log: list = []
+    try:
+        _, full = asyncio.run(run(SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True), "full"))
+        stop = full.strip()[len(full.strip()) // 4:][:2]
+        engine.engine.core.step_log = log
+        stopping = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, stop=[stop])
+        ids, text = asyncio.run(run(stopping, "stop"))
+        assert engine.engine.call("is_idle").result(timeout=10)
+    finally:
+        engine.shutdown()
+    assert stop in full and len(ids) < 40 and full.startswith(text) and stop not in text
+    assert len(log) <= len(ids) + 2, (len(log), len(ids))  # one step per token, and what was in flight
+
+
 def server_model(client) -> str:
     return client.models.list().data[0].id
 
@@ -303,8 +354,8 @@ def test_sigterm_finishes_the_request_in_flight_and_exits_0(model):
         httpx.get(s.url + "/health", timeout=2)
 
 
-def _ray_workers(pid: int) -> list[int]:
-    """PIDs of the Ray worker processes below `pid` (the server's own local Ray cluster)."""
+def _descendants(pid: int, command: str) -> list[int]:
+    """PIDs of the processes below `pid` whose command line starts with `command`."""
     children: dict[int, list[int]] = {}
     names: dict[int, str] = {}
     for d in os.listdir("/proc"):
@@ -321,7 +372,7 @@ def _ray_workers(pid: int) -> list[int]:
     while todo:
         p = todo.pop()
         for c in children.get(p, []):
-            if names.get(c, "").startswith("ray::Worker"):
+            if names.get(c, "").startswith(command):
                 found.append(c)
             todo.append(c)
     return found
@@ -332,7 +383,7 @@ def test_tp2_killed_worker_makes_health_503_and_ends_the_request(model):
     try:
         assert s.client.completions.create(model=server_model(s.client), prompt="what is water", max_tokens=3,
                                            temperature=0).choices[0].text
-        workers = _ray_workers(s.proc.pid)
+        workers = _descendants(s.proc.pid, "ray::Worker")
         assert len(workers) == 2, workers
         body = {"prompt": "what is water", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", s.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
@@ -352,28 +403,146 @@ def test_tp2_killed_worker_makes_health_503_and_ends_the_request(model):
         s.stop()
 
 
+def _wait_gone(pid: int, timeout: float) -> None:
+    """Until process `pid` has exited (gone, or a zombie its parent has not reaped yet)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return
+        except OSError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"process {pid} still runs after {timeout} s")
+
+
+def _engine_process(server: Server) -> int:
+    found = _descendants(server.proc.pid, f"{sys.executable} -m distengine.core_client")
+    assert len(found) == 1, found
+    return found[0]
+
+
+@pytest.mark.parametrize("sig,message", [(signal.SIGKILL, "the engine process exited"),
+                                         (signal.SIGTERM, "the engine process was terminated")],
+                         ids=["SIGKILL", "SIGTERM"])
+def test_killed_engine_process_makes_health_503_and_ends_the_request(model, sig, message):
+    """The engine loop runs in a process of its own: when it dies, the request in flight ends with
+    a 503 event, /health turns 503 and every later request gets 503; the server lives on."""
+    s = Server(model)
+    try:
+        body = {"prompt": "what is water", "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                          timeout=30) as r:
+            lines = r.iter_lines()
+            next(lines)
+            engine = _engine_process(s)
+            os.kill(engine, sig)
+            t = time.monotonic()
+            rest = [line for line in lines if line]
+        assert any('"code": 503' in line and message in line for line in rest), rest
+        assert rest[-1] == "data: [DONE]"
+        assert time.monotonic() - t < 5
+        assert httpx.get(s.url + "/health", timeout=5).status_code == 503
+        r = s.post("/v1/completions", {"prompt": "x"})
+        assert r.status_code == 503 and message in r.json()["error"]["message"]
+        _wait_gone(engine, 30)  # a SIGTERM'd engine shuts down and exits by itself
+    finally:
+        assert s.stop() == 0
+
+
+def test_engine_process_ends_with_the_server(model):
+    """A server killed outright leaves no engine process behind (it notices its front end is gone)."""
+    s = Server(model)
+    engine = _engine_process(s)
+    s.proc.kill()
+    s.proc.wait()
+    _wait_gone(engine, 30)
+
+
+def test_async_llm_refusals_in_either_engine_placement(model, monkeypatch):
+    """The engine's own start-up error reaches the caller as itself; a request id in use is refused
+    without touching the one running; a bad DISTENGINE_ENGINE_PROCESS is refused."""
+    import asyncio
+
+    from distengine import SamplingParams
+    from distengine.async_llm import AsyncLLM, engine_process_default
+    from workers.model_runner import KVCacheTooSmallError
+    for in_process in (False, True):
+        with pytest.raises(KVCacheTooSmallError, match="the KV cache holds 0 blocks"):
+            AsyncLLM(model, device="cpu", dtype="float32", max_model_len=256, kv_cache_memory_bytes=1000,
+                     engine_process=in_process)
+    engine = AsyncLLM(model, device="cpu", dtype="float32", max_model_len=256)
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+    async def twice() -> list[int]:
+        first = engine.generate("the water is", sp, "same")
+        got = [await first.__anext__()]
+        with pytest.raises(ValueError, match="request id 'same' is already in use"):
+            await engine.generate("oil", sp, "same").__anext__()
+        async for out in first:
+            got.append(out)
+        return [t for o in got for t in o.outputs[0].token_ids]
+
+    try:
+        assert len(asyncio.run(twice())) == 20
+        assert engine.engine.call("is_idle").result(timeout=10)
+    finally:
+        engine.shutdown()
+    monkeypatch.setenv("DISTENGINE_ENGINE_PROCESS", "yes")
+    with pytest.raises(ValueError, match="DISTENGINE_ENGINE_PROCESS must be 0 or 1, got 'yes'"):
+        engine_process_default()
+
+
+@pytest.mark.parametrize("engine_process", [True, False], ids=["engine-process", "engine-thread"])
+def test_a_front_end_that_fails_on_outputs_ends_the_engine(model, engine_process):
+    """An error while handling a step's outputs ends every request with EngineDeadError (no hang)."""
+    import asyncio
+
+    from distengine import SamplingParams
+    from distengine.async_llm import AsyncLLM
+    from distengine.executor import EngineDeadError
+    engine = AsyncLLM(model, device="cpu", dtype="float32", max_model_len=256, engine_process=engine_process)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the detokenizer broke")
+
+    async def one() -> None:
+        async for _ in engine.generate("the water is", SamplingParams(max_tokens=5), "x"):
+            pass
+
+    engine.outputs.process = broken
+    try:
+        with pytest.raises(EngineDeadError, match="the detokenizer broke"):
+            asyncio.run(asyncio.wait_for(one(), 60))
+        assert not engine.is_running
+        with pytest.raises(EngineDeadError):
+            asyncio.run(one())
+    finally:
+        engine.shutdown()
+
+
 def test_stats_line_over_each_interval(caplog):
     """vLLM's periodic stats line: throughputs and hit rate over the interval, the state now;
     nothing for an idle interval; a bad interval is refused."""
+    import dataclasses
     import logging
-    from types import SimpleNamespace
 
     from distengine.metrics import EngineMetrics, StatsLogger
+    from distengine.scheduler import SchedulerStats
     metrics = EngineMetrics("m")
-    stats = SimpleNamespace(queries=0, hits=0)
-    manager = SimpleNamespace(usage=0.25, prefix_cache_stats=stats)
-    sched = SimpleNamespace(running=[1, 2], waiting=[3], manager=manager, num_preemptions=0)
+    busy = SchedulerStats(running=2, waiting=1, kv_usage=0.25, peak_kv_usage=0.25, prefix_cache_hit_rate=0.0,
+                          preemptions=0, prefix_cache_queries=0, prefix_cache_hits=0)
     logger = StatsLogger(2.0)
     with caplog.at_level(logging.INFO, logger="distengine.stats"):
-        logger.tick(100.0, metrics, sched)            # starts the first interval
+        logger.tick(100.0, metrics, busy)             # starts the first interval
         metrics.count_prompt(300)
         metrics.count_generated(40)
-        stats.queries, stats.hits = 200, 50
-        metrics.record_state(sched)
-        logger.tick(101.0, metrics, sched)            # within the interval: nothing yet
-        logger.tick(104.0, metrics, sched)
-        sched.running, sched.waiting = [], []
-        logger.tick(107.0, metrics, sched)            # idle interval: nothing
+        busy = dataclasses.replace(busy, prefix_cache_queries=200, prefix_cache_hits=50)
+        metrics.record_state(busy)
+        logger.tick(101.0, metrics, busy)             # within the interval: nothing yet
+        logger.tick(104.0, metrics, busy)
+        logger.tick(107.0, metrics, dataclasses.replace(busy, running=0, waiting=0))  # idle interval: nothing
     lines = [r.getMessage() for r in caplog.records if r.name == "distengine.stats"]
     assert lines == ["avg prompt throughput: 75.0 tokens/s, avg generation throughput: 10.0 tokens/s, "
                      "running: 2 reqs, waiting: 1 reqs, KV cache usage: 25.0%, prefix cache hit rate: 25.0%"]
@@ -402,15 +571,17 @@ def test_bad_stats_interval_exits_2(model):
     assert proc.returncode == 2 and "DISTENGINE_LOG_STATS_INTERVAL must be a number of seconds > 0" in proc.stderr
 
 
-def test_async_llm_serves_two_event_loops_at_once(model):
+@pytest.mark.parametrize("engine_process", [True, False], ids=["engine-process", "engine-thread"])
+def test_async_llm_serves_two_event_loops_at_once(model, engine_process):
     """Each step's outputs go to every event loop with requests in it, in one hand-off per loop:
-    two loops in two threads stream at the same time and get what one loop alone gets."""
+    two loops in two threads stream at the same time and get what one loop alone gets, with the
+    engine loop in its own process or in a thread."""
     import asyncio
     import threading
 
     from distengine import SamplingParams
     from distengine.async_llm import AsyncLLM
-    engine = AsyncLLM(model, device="cpu", dtype="float32", max_model_len=256)
+    engine = AsyncLLM(model, device="cpu", dtype="float32", max_model_len=256, engine_process=engine_process)
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = ["the water is", "people write with"]
 
@@ -434,7 +605,7 @@ def test_async_llm_serves_two_event_loops_at_once(model):
         # The same tokens and text (how many deltas carried them may differ: a late reader gets them merged).
         assert [(r[0], r[1], r[3]) for r in (together[0], together[1])] == [(r[0], r[1], r[3]) for r in alone]
         assert all(len(ids) == 12 and deltas >= 2 for ids, _, deltas, _ in alone)
-        assert engine.engine.scheduler.manager.usage == 0 and not engine.engine.has_unfinished()
+        assert engine.engine.call("is_idle").result(timeout=10)
         # The counters behind /metrics and the stats line: every prompt once, every token once.
         assert engine.metrics.totals()[:2] == (2 * sum(r[3] for r in alone), 4 * 12)
     finally:
@@ -456,7 +627,7 @@ def test_a_consumer_that_falls_behind_gets_merged_deltas(model):
         gen = engine.generate("the water is", sp, rid)
         if wait_first:  # the engine finishes the request before anything is read
             first = asyncio.ensure_future(gen.__anext__())
-            while engine.engine.has_unfinished() or engine.engine.scheduler.has_in_flight():
+            while not engine.engine.call("is_idle").result(timeout=10):
                 await asyncio.sleep(0.01)
             await asyncio.sleep(0.2)
             outs.append(await first)

@@ -7,6 +7,7 @@
 #   bash tests/gpu/h200_issue9.sh sweep   # two H200s (~10 min): examples/sweep_gemma3_12b.yaml, then sweep_serve.yaml
 #                                         # (SWEEPS="latency serve"; "quick": sweep_serve_quick.yaml)
 #   bash tests/gpu/h200_issue9.sh engines # one or two H200s (~6 min): 512 prompts through LLM.generate, AsyncLLM and HTTP
+# DISTENGINE_ENGINE_PROCESS=0 puts the serving engine's loop in a thread of the server instead of its own process.
 # Logs and JSON go to $OUT; a short table is printed last. Each step has its own time limit.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -61,7 +62,7 @@ if [ "$mode" = serve ]; then  # issue 11's figures: TP=${TP:-1}, 512 in / 128 ou
     rate=${point%:*}; seed=$((seed + 1))
     timeout 150 $cli bench serve --num-prompts ${point#*:} --random-input-len 512 --random-output-len 128 --ignore-eos \
         --random-vocab-size 200000 --request-rate $rate --seed $seed --no-progress \
-        --output-json "$OUT/serve_r$rate.json" > "$OUT/serve_r$rate.log" 2>&1
+        --output-json "$OUT/serve_r${rate}_s$seed.json" > "$OUT/serve_r${rate}_s$seed.log" 2>&1
   done
   if [ "${PREFIX:-1}" = 1 ]; then
     hits() { curl -s http://127.0.0.1:8000/metrics | grep -E "^distengine:prefix_cache_(queries|hits)_total"; }
