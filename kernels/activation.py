@@ -14,13 +14,16 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_args, pdl_wait
+
 __all__ = ["silu_and_mul", "silu_and_mul_ref", "gelu_tanh_and_mul", "gelu_tanh_and_mul_ref"]
 
 _SILU, _GELU_TANH = 0, 1
 
 
 @triton.jit
-def _act_and_mul_kernel(x_ptr, out_ptr, inter, sx, so, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _act_and_mul_kernel(x_ptr, out_ptr, inter, sx, so, ACT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < inter
@@ -45,7 +48,7 @@ def _launch(x: torch.Tensor, act: int) -> torch.Tensor:
         return out
     block = min(1024, triton.next_power_of_2(inter))
     _act_and_mul_kernel[(n, triton.cdiv(inter, block))](x, out, inter, x.stride(0), out.stride(0),
-                                                        ACT=act, BLOCK=block, num_warps=4)
+                                                        ACT=act, BLOCK=block, num_warps=4, **pdl_args(x))
     return out
 
 

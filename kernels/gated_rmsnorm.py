@@ -22,13 +22,16 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_args, pdl_wait
+
 __all__ = ["gated_rms_norm", "gated_rms_norm_ref"]
 
 
 @triton.jit
 def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, group_size, eps, sx, sz, so,
                            NORM_BEFORE_GATE: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr,
-                           BLOCK: tl.constexpr):
+                           BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     col0 = tl.program_id(1) * group_size
     cols = tl.arange(0, BLOCK)
@@ -73,7 +76,7 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group
     _gated_rms_norm_kernel[(T, I // group_size)](
         x, z, weight, out, group_size, float(eps), x.stride(0), z.stride(0), out.stride(0),
         NORM_BEFORE_GATE=bool(norm_before_gate), ROUND_BEFORE_WEIGHT=bool(round_before_weight), BLOCK=block,
-        num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16)
+        num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16, **pdl_args(x))
     return out
 
 

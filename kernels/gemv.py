@@ -27,13 +27,15 @@ import triton
 import triton.language as tl
 
 from kernels.paged_attention import _interpreter_bf16
+from kernels.pdl import pdl_args, pdl_wait
 
 __all__ = ["gemv", "gemv_ref", "gemv_config", "skinny_gemm", "skinny_gemm_ref", "skinny_config", "SKINNY_MAX_ROWS"]
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -97,7 +99,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     cfg = config or gemv_config(n, k)
     _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
         x, weight, bias if bias is not None else x, out, n, k, weight.stride(0), HAS_BIAS=bias is not None,
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl_args(x))
     return out
 
 
@@ -130,7 +133,9 @@ def _skinny_block_m(rows: int) -> int:
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                    HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, SWAP: tl.constexpr, DOT_F32: tl.constexpr,
-                   PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PDL: tl.constexpr):
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -205,5 +210,5 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         HAS_BIAS=bias is not None, EVEN=(n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0),
         SWAP=cfg["SWAP"], DOT_F32=_interpreter_bf16(x), PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=_skinny_block_m(m), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        num_stages=cfg["num_stages"], **pdl_args(x))
     return out

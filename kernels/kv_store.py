@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_args, pdl_wait
+
 __all__ = ["store_kv", "store_kv_ref"]
 
 
@@ -25,7 +27,8 @@ def _store_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr,
                      num_heads, head_dim, block_size,
                      sk_t, sk_h, sk_d, sv_t, sv_h, sv_d,
                      sc_b, sc_kv, sc_s, sc_h, sc_d,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:  # prefix-cache hit: the cache already holds this token's KV
@@ -58,7 +61,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     _store_kv_kernel[grid](key, value, kv_cache, slot_mapping,
                            num_heads, head_dim, kv_cache.shape[2],
                            *key.stride(), *value.stride(), *kv_cache.stride(),
-                           BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4 if block_h * block_d >= 1024 else 2)
+                           BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4 if block_h * block_d >= 1024 else 2,
+                           **pdl_args(key))
 
 
 def store_kv_ref(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,

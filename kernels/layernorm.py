@@ -16,13 +16,16 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_args, pdl_wait
+
 __all__ = ["rms_norm", "rms_norm_ref"]
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, n_cols, eps,
                      sx, sr, so, snr,
-                     HAS_RES: tl.constexpr, GEMMA: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RES: tl.constexpr, GEMMA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -64,7 +67,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             x2, r2, weight, o2, nr2, hidden, float(eps),
             x2.stride(0), r2.stride(0), o2.stride(0), nr2.stride(0),
             HAS_RES=residual is not None, GEMMA=gemma, BLOCK=block,
-            num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16)
+            num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16, **pdl_args(x2))
     return (out, new_res) if residual is not None else out
 
 

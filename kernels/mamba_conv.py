@@ -28,6 +28,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_args, pdl_wait
+
 __all__ = ["causal_conv1d_update", "causal_conv1d_update_ref", "causal_conv1d_varlen", "causal_conv1d_varlen_ref"]
 
 
@@ -132,7 +134,8 @@ def _conv_varlen_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, scratch_ptr, state_ptr,
 def _conv_update_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, state_ptr, init_ptr, write_ptr,
                         D, sx, so, sw, s_page, s_row,
                         K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     s = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     dm = d < D
@@ -232,7 +235,7 @@ def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         x, weight, bias if bias is not None else weight, out, conv_state, init_page, write_page,
         D, x.stride(0), out.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1),
         K=K, HAS_BIAS=bias is not None, SILU=activation is not None, BLOCK_R=triton.next_power_of_2(K - 1),
-        BLOCK_D=block_d, num_warps=4)
+        BLOCK_D=block_d, num_warps=4, **pdl_args(x))
     return out
 
 

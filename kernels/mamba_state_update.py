@@ -24,6 +24,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_args, pdl_wait
+
 __all__ = ["selective_state_update", "selective_state_update_ref"]
 
 
@@ -34,7 +36,8 @@ def _state_update_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dtb_ptr, z_p
                          sx_s, sx_h, sdt_s, sb_s, sb_g, sc_s, sc_g, sz_s, sz_h, so_s, so_h,
                          st_page, st_h, st_p,
                          HAS_D: tl.constexpr, HAS_DTB: tl.constexpr, HAS_Z: tl.constexpr, SOFTPLUS: tl.constexpr,
-                         BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+                         BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -118,7 +121,8 @@ def selective_state_update(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B
         zz.stride(0), zz.stride(1), out.stride(0), out.stride(1),
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
         HAS_D=D is not None, HAS_DTB=dt_bias is not None, HAS_Z=z is not None, SOFTPLUS=bool(dt_softplus),
-        BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4 if block_p * block_n >= 1024 else 2)
+        BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4 if block_p * block_n >= 1024 else 2,
+        **pdl_args(x))
     return out
 
 

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_args, pdl_wait
+
 LOG2E = 1.4426950408889634
 
 
@@ -59,8 +61,9 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr, CHUNK: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_HEAD_SCALE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -168,8 +171,10 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _merge_splits_kernel(out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh, stride_pt, stride_ph,
-                         stride_ps, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+                         stride_ps, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                         PDL: tl.constexpr):
     """out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M), per (token, head)."""
+    pdl_wait(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     splits = tl.arange(0, NUM_SPLITS)
@@ -316,12 +321,12 @@ def paged_attention(
         NUM_SPLITS=num_splits, DOT_F32=_interpreter_bf16(q),
         # fp32 models (tests against transformers) get full-precision products, not TF32.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        num_stages=cfg["num_stages"], **pdl_args(q),
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_q_heads)](
             out, part_acc, part_ml, out.stride(0), out.stride(1), *pstrides,
-            NUM_SPLITS=num_splits, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, num_warps=4)
+            NUM_SPLITS=num_splits, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, num_warps=4, **pdl_args(q))
     return out
 
 

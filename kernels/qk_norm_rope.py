@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from kernels.layernorm import rms_norm_ref
+from kernels.pdl import pdl_args, pdl_wait
 from kernels.rotary import rotary_embedding_ref
 
 __all__ = ["qk_norm_rope", "qk_norm_rope_ref"]
@@ -42,7 +43,8 @@ def _norm_rotate(x_ptr, w_ptr, t, n_heads, s_t, s_h, h, j, cos, sin, eps, HALF: 
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, pos_ptr, cache_ptr, n_qh, n_kh, sq_t, sq_h, sk_t, sk_h, sc_p,
                          eps, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                         GEMMA: tl.constexpr):
+                         GEMMA: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     j = tl.arange(0, BLOCK_HALF)
@@ -74,7 +76,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
     _qk_norm_rope_kernel[grid](q, k, q_weight, k_weight, positions, cos_sin_cache, n_qh, n_kh,
                                q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
                                float(eps), HALF=half, BLOCK_HALF=block_half, BLOCK_H=block_h, GEMMA=gemma,
-                               num_warps=4)
+                               num_warps=4, **pdl_args(q))
     return q, k
 
 

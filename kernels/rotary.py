@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_args, pdl_wait
+
 __all__ = ["rotary_embedding", "rotary_embedding_ref", "make_rope_cache", "rope_inv_freq"]
 
 
@@ -108,7 +110,8 @@ def _rotate_heads(x_ptr, t, n_heads, s_t, s_h, h, j, cos, sin, HALF):
 @triton.jit
 def _rope_kernel(q_ptr, k_ptr, pos_ptr, cache_ptr, n_qh, n_kh, HALF,
                  sq_t, sq_h, sk_t, sk_h, sc_p,
-                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     j = tl.arange(0, BLOCK_HALF)
@@ -147,7 +150,7 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor | None, positions: torch.T
     grid = (n_tokens, triton.cdiv(max(n_qh, n_kh), block_h))
     _rope_kernel[grid](q, kk, positions, cos_sin_cache, n_qh, n_kh, half,
                        q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), cos_sin_cache.stride(0),
-                       BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=4)
+                       BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=4, **pdl_args(q))
     return q, k
 
 

@@ -75,6 +75,21 @@ def test_graphs_give_the_tokens_of_eager(model):
     assert runs[True] == runs[False]
 
 
+def test_pdl_on_and_off_give_the_same_tokens(model, monkeypatch):
+    """Programmatic dependent launch (kernels/pdl.py) changes when kernels start, never what they
+    compute: the engine gives the same tokens with it and without (graphs and eager steps)."""
+    import kernels.pdl as pdl
+    _, folder = model
+    if not pdl.pdl_enabled(torch.empty(1, device="cuda")):
+        pytest.skip("PDL needs compute capability 9.0 or later (and DISTENGINE_PDL unset or 1)")
+    outs = []
+    for enabled in (True, False):
+        monkeypatch.setattr(pdl, "ENABLED", enabled)
+        with LLM(folder, **ARGS) as llm:
+            outs.append([o.outputs[0].token_ids for o in llm.generate(_prompts(5), _params(5), use_tqdm=False)])
+    assert outs[0] == outs[1]
+
+
 @pytest.mark.parametrize("eager", [False, True])
 def test_no_recompiles_after_warmup(model, eager):
     _, folder = model

@@ -421,3 +421,44 @@ def test_skinny_gemm_bad_arguments():
         skinny_gemm(randn(3, 8, dtype=torch.float32), w.half())
     with pytest.raises(ValueError, match="out must be"):
         skinny_gemm(randn(3, 8, dtype=torch.float32), w, out=torch.empty(3, 5, device=DEVICE))
+
+
+def test_every_pdl_kernel_waits_first_and_is_launched_with_pdl_args():
+    """The rule of kernels/pdl.py, checked in the source: a kernel that takes `PDL` calls
+    `pdl_wait(PDL)` before anything else (a load before it would race with the kernel before),
+    and every launch of it passes `**pdl_args(...)`."""
+    import ast
+    import pathlib
+    folder = pathlib.Path(__file__).resolve().parent.parent / "kernels"
+    kernels_with_pdl = 0
+    for path in sorted(folder.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        names = set()
+        for fn in ast.walk(tree):
+            if isinstance(fn, ast.FunctionDef) and "PDL" in [a.arg for a in fn.args.args] and fn.name != "pdl_wait":
+                body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) \
+                    else fn.body
+                first = body[0]
+                assert isinstance(first, ast.Expr) and isinstance(first.value, ast.Call) and \
+                    ast.unparse(first.value) == "pdl_wait(PDL)", f"{path.name}:{fn.name} does not start with pdl_wait"
+                names.add(fn.name)
+        for call in ast.walk(tree):
+            if isinstance(call, ast.Call) and isinstance(call.func, ast.Subscript) and \
+                    isinstance(call.func.value, ast.Name) and call.func.value.id in names:
+                spread = [ast.unparse(k.value) for k in call.keywords if k.arg is None]
+                assert any(s.startswith("pdl_args(") for s in spread), f"{path.name}: {call.func.value.id} launch"
+                kernels_with_pdl += 1
+    assert kernels_with_pdl >= 12
+
+
+def test_pdl_is_off_the_gpu_and_its_switch_is_checked():
+    import os
+    import subprocess
+    import sys
+
+    from kernels.pdl import pdl_args
+    assert pdl_args(torch.empty(2)) == {"PDL": False}
+    env = {**os.environ, "DISTENGINE_PDL": "on"}
+    proc = subprocess.run([sys.executable, "-c", "import kernels.pdl"], env=env, capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), check=False)
+    assert proc.returncode != 0 and "DISTENGINE_PDL must be 0 or 1, got 'on'" in proc.stderr

@@ -1,0 +1,62 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for the kernels of a decode step.
+
+A decode step at batch 1 is ~670 short kernels back to back; between two of them the GPU drains
+one grid and only then starts launching the next. With PDL a kernel is launched while its
+predecessor still runs: its programs start, wait at `griddepcontrol.wait` until the predecessor
+has finished and its writes are visible, and meanwhile the launch work is done. Each kernel also
+lets its own successor launch early (`launch_dependents`) once all its programs are running.
+Measured on one H200 (`tests/gpu/micro_pdl.py`, a Gemma-3-12B-shaped batch-1 layer of 4 GEMVs
+and 8 one-program kernels, in a CUDA graph): 125.4 us a layer with plain launches, 117.4 with PDL.
+
+The rule every kernel here keeps: `pdl_wait` comes before its first global load or store, so
+nothing is read before its producer is done and nothing is overwritten while a predecessor may
+still read it. Kernels without PDL (cuBLAS, torch's) before or after ours are ordered as usual.
+`DISTENGINE_PDL=0` turns it off (for comparisons); off the GPU it never applies.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["pdl_wait", "pdl_args", "pdl_enabled"]
+
+
+def _read_switch() -> bool:
+    text = os.environ.get("DISTENGINE_PDL", "1")
+    if text not in ("0", "1"):
+        raise ValueError(f"DISTENGINE_PDL must be 0 or 1, got {text!r}")
+    return text == "1"
+
+
+ENABLED = _read_switch()
+
+
+@functools.cache
+def _capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_enabled(t: torch.Tensor) -> bool:
+    """Whether kernels on `t`'s device launch with PDL: a CUDA device of compute capability 9.0
+    or later, not under Triton's interpreter, and not switched off."""
+    if not (ENABLED and t.is_cuda) or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return _capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def pdl_args(t: torch.Tensor) -> dict:
+    """The launch's keyword arguments: the kernel's `PDL` flag, and Triton's `launch_pdl`."""
+    return {"PDL": True, "launch_pdl": True} if pdl_enabled(t) else {"PDL": False}
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """At the top of a kernel: wait for the kernel before (its writes visible), then let the
+    next one launch."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
