@@ -2,6 +2,10 @@
 take the time, and the step time without the profiler.
 
     python tests/gpu/profile_decode.py MODEL_DIR [--batch 1 128] [--load-format dummy] [--tp 1] [--eager]
+
+With programmatic dependent launch (kernels/pdl.py, on Hopper) a kernel starts before the one
+before it ends and its time includes that wait, so the kernels' times add up to more than the
+step: run with DISTENGINE_PDL=0 for each kernel's own time.
 """
 from __future__ import annotations
 
@@ -56,8 +60,8 @@ def main() -> int:
             events = [e for e in prof.key_averages() if device_us(e) > 0]
             busy = sum(device_us(e) for e in events) / 20 / 1e3
             launches = sum(e.count for e in events) / 20
-            print(f"\nB={b} TP={args.tp}: decode step {plain * 1e3:.2f} ms (no profiler); device busy {busy:.2f} ms "
-                  f"per step in ~{launches:.0f} kernels")
+            print(f"\nB={b} TP={args.tp}: decode step {plain * 1e3:.2f} ms (no profiler); kernel time {busy:.2f} ms "
+                  f"per step in ~{launches:.0f} kernels (with PDL it includes their waits)")
             for e in sorted(events, key=device_us, reverse=True)[:10]:
                 print(f"  {device_us(e) / 20 / 1e3:7.3f} ms  x{e.count / 20:5.0f}  {e.key[:90]}")
             core.abort([r.request_id for r in reqs])
