@@ -43,6 +43,7 @@ class EngineClient:
         self._on_message = on_message
         self._calls: dict[int, Future] = {}
         self._call_ids = itertools.count()
+        self._calls_lock = threading.Lock()  # a call is either answered or failed with the engine
         self._dead: BaseException | None = None
 
     def send(self, command: tuple) -> None:
@@ -51,11 +52,12 @@ class EngineClient:
     def call(self, method: str, *args) -> Future:
         """The utility's result, or its error, in a future (EngineDeadError once the engine is gone)."""
         fut: Future = Future()
-        if self._dead is not None:
-            fut.set_exception(self._dead)
-            return fut
-        call_id = next(self._call_ids)
-        self._calls[call_id] = fut
+        with self._calls_lock:
+            if self._dead is not None:
+                fut.set_exception(self._dead)
+                return fut
+            call_id = next(self._call_ids)
+            self._calls[call_id] = fut
         self.send(("call", call_id, method, args))
         return fut
 
@@ -65,17 +67,23 @@ class EngineClient:
     def _dispatch(self, msg: tuple) -> None:
         if msg[0] == "reply":
             _, call_id, error, value = msg
-            fut = self._calls.pop(call_id, None)
-            if fut is not None:
-                fut.set_exception(error) if error is not None else fut.set_result(value)
+            with self._calls_lock:
+                fut = self._calls.pop(call_id, None)
+            if fut is None:
+                return
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(value)
             return
         if msg[0] == "dead":
-            self._dead = msg[1] if isinstance(msg[1], EngineDeadError) else \
+            dead = msg[1] if isinstance(msg[1], EngineDeadError) else \
                 EngineDeadError(f"the engine loop failed: {msg[1]}", msg[1])
-            msg = ("dead", self._dead)
-            for fut in self._calls.values():
-                fut.set_exception(self._dead)
-            self._calls.clear()
+            with self._calls_lock:
+                self._dead, pending, self._calls = dead, self._calls, {}
+            for fut in pending.values():
+                fut.set_exception(dead)
+            msg = ("dead", dead)
         self._on_message(msg)
 
 
@@ -123,9 +131,11 @@ class ProcessEngineClient(EngineClient):
             msg = self._receive_while_alive()
         except BaseException:  # Ctrl-C while it starts, ...
             self._stop_process(grace=0)
+            self._conn.close()
             raise
         if msg[0] != "ready":
             self._stop_process(grace=30)
+            self._conn.close()
             raise msg[1]
         _, self.plan, self.plan_info = msg
         self._reader = threading.Thread(target=self._read, name="distengine-engine-reader", daemon=True)
@@ -164,7 +174,7 @@ class ProcessEngineClient(EngineClient):
     def _read(self) -> None:
         while True:
             try:
-                msg = pickle.loads(self._conn.recv_bytes())
+                data = self._conn.recv_bytes()
             except (EOFError, OSError):
                 if not self._closing:
                     try:
@@ -174,6 +184,7 @@ class ProcessEngineClient(EngineClient):
                     self._dispatch(("dead", EngineDeadError(f"the engine process exited ({status})")))
                 return
             try:
+                msg = pickle.loads(data)
                 self._dispatch(msg)
             except Exception as e:  # noqa: BLE001 - a front end that cannot take outputs ends the engine
                 self._dispatch(("dead", EngineDeadError(f"handling the engine's output failed: {e}", e)))
@@ -196,9 +207,14 @@ class ProcessEngineClient(EngineClient):
 
 # ---- the engine process ------------------------------------------------------------------------
 def _picklable(msg: tuple) -> bytes:
+    """`msg` pickled; an error in it that does not survive the round trip (pickling, or building it
+    again from its arguments) goes as a RuntimeError with its text."""
     try:
-        return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:  # noqa: BLE001 - an error that does not pickle goes as its text
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        if any(isinstance(x, BaseException) for x in msg):
+            pickle.loads(data)
+        return data
+    except Exception:  # noqa: BLE001
         fixed = tuple(RuntimeError(f"{type(x).__name__}: {x}") if isinstance(x, BaseException) else x for x in msg)
         return pickle.dumps(fixed, protocol=pickle.HIGHEST_PROTOCOL)
 

@@ -56,7 +56,10 @@ def pdl_args(t: torch.Tensor) -> dict:
 @triton.jit
 def pdl_wait(PDL: tl.constexpr):
     """At the top of a kernel: wait for the kernel before (its writes visible), then let the
-    next one launch."""
+    next one launch. The instructions are written here with a memory clobber, which Triton's own
+    `gdc_wait` (3.6) lacks: without it the compiler may move a load above the wait."""
     if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        tl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r,~{memory}", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r,~{memory}", [],
+                                  dtype=tl.int32, is_pure=False, pack=1)

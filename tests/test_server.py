@@ -522,6 +522,23 @@ def test_a_front_end_that_fails_on_outputs_ends_the_engine(model, engine_process
         engine.shutdown()
 
 
+def test_engine_process_messages_carry_errors_that_do_not_pickle():
+    """An error the engine process sends (its start failed, a step failed) reaches the front end,
+    as itself when it survives pickling, else as a RuntimeError with its text."""
+    import pickle
+
+    from distengine.core_client import _picklable
+
+    class NeedsTwo(Exception):
+        def __init__(self, a, b):
+            super().__init__(f"{a} and {b}")
+
+    kind, error = pickle.loads(_picklable(("failed", NeedsTwo(1, 2))))
+    assert kind == "failed" and type(error) is RuntimeError and str(error) == "NeedsTwo: 1 and 2"
+    kind, error = pickle.loads(_picklable(("dead", ValueError("max_model_len too large"))))
+    assert type(error) is ValueError and str(error) == "max_model_len too large"
+
+
 def test_stats_line_over_each_interval(caplog):
     """vLLM's periodic stats line: throughputs and hit rate over the interval, the state now;
     nothing for an idle interval; a bad interval is refused."""
