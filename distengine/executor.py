@@ -215,7 +215,7 @@ class RayExecutor(Executor):
                    "TORCH_SYMM_MEM_DISABLE_MULTICAST": os.environ.get("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                    "PYTHONPATH": os.pathsep.join(p for p in (PROJECT_ROOT, os.environ.get("PYTHONPATH")) if p)}
             for var in ("TRITON_INTERPRET", "NCCL_DEBUG", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "HF_HOME",
-                        "HF_HUB_OFFLINE", "NVSHMEM_DISABLE_NVLS", "CUDA_LAUNCH_BLOCKING"):
+                        "HF_HUB_OFFLINE", "NVSHMEM_DISABLE_NVLS", "CUDA_LAUNCH_BLOCKING", "DISTENGINE_PDL"):
                 if var in os.environ:
                     env[var] = os.environ[var]
             resources = {"num_gpus": 1, "num_cpus": 0} if kind == "GPU" else {"num_cpus": 1}
