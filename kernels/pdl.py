@@ -6,7 +6,8 @@ predecessor still runs: its programs start, wait at `griddepcontrol.wait` until 
 has finished and its writes are visible, and meanwhile the launch work is done. Each kernel also
 lets its own successor launch early (`launch_dependents`) once all its programs are running.
 Measured on one H200 (`tests/gpu/micro_pdl.py`, a Gemma-3-12B-shaped batch-1 layer of 4 GEMVs
-and 8 one-program kernels, in a CUDA graph): 125.4 us a layer with plain launches, 117.4 with PDL.
+and 8 one-program kernels, in a CUDA graph): 127.2 us a layer with plain launches, 118.9 with PDL;
+a Gemma-3-12B decode step at batch 1 7.24 -> 6.88 ms (the README's table).
 
 The rule every kernel here keeps: `pdl_wait` comes before its first global load or store, so
 nothing is read before its producer is done and nothing is overwritten while a predecessor may

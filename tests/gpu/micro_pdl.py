@@ -16,7 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_wait
 from launch.bench_common import copy_bandwidth
+from tests.gpu.micro_b1 import graph_time_us
 
 LAYERS = 24
 HIDDEN, QKV, INTER = 3840, 8192, 15360
@@ -27,9 +29,7 @@ def _norm(x_ptr, w_ptr, y_ptr, n, PDL: tl.constexpr, BLOCK: tl.constexpr):
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: safe before the wait
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)
     x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     r = tl.rsqrt(tl.sum(x * x, 0) / n + 1e-6)
     tl.store(y_ptr + cols, (x * r * (w + 1.0)).to(y_ptr.dtype.element_ty), mask=mask)
@@ -48,9 +48,7 @@ def _gemv(x_ptr, w_ptr, y_ptr, N, K, stride_wn, PDL: tl.constexpr, PREFETCH: tl.
     if PREFETCH:  # the first weight tile does not depend on the kernel before
         w0 = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & (rk < K)[None, :], other=0.0)
         start = BLOCK_K
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)
     if PREFETCH:
         x0 = tl.load(x_ptr + rk, mask=rk < K, other=0.0)
         acc += w0.to(tl.float32) * x0.to(tl.float32)[None, :]
@@ -100,30 +98,7 @@ def main() -> int:
 
     def timed(pdl: bool, prefetch: bool) -> float:
         calls = [f for ws in weights for f in layer_calls(ws, pdl, prefetch)]
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for f in calls:
-                f()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for f in calls:
-                f()
-        for _ in range(3):
-            g.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(15):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            g.replay()
-            e1.record()
-            torch.cuda.synchronize()
-            times.append(e0.elapsed_time(e1) * 1e3 / LAYERS)
-        times.sort()
-        return times[len(times) // 2]
+        return graph_time_us(calls) * len(calls) / LAYERS
 
     def result(pdl: bool, prefetch: bool) -> torch.Tensor:
         h.copy_(torch.linspace(-1, 1, 2 * INTER, device=dev).to(dt)[None])
