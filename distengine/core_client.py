@@ -248,14 +248,23 @@ def _engine_process(fd: int) -> int:
                 inbox.put(("shutdown",))
                 return
 
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def send() -> None:  # a thread: a front end that is behind holds up its messages, not the steps
+        while (data := outbox.get()) is not None:
+            try:
+                conn.send_bytes(data)
+            except OSError:  # the front end is gone; the receiving thread ends the loop
+                return
+
     threading.Thread(target=receive, name="distengine-engine-inbox", daemon=True).start()
-
-    def emit(msg: tuple) -> None:
-        conn.send_bytes(_picklable(msg))
-
+    sender = threading.Thread(target=send, name="distengine-engine-outbox", daemon=True)
+    sender.start()
     try:
-        EngineLoop(core, inbox, emit).run()
+        EngineLoop(core, inbox, lambda msg: outbox.put(_picklable(msg))).run()
     finally:
+        outbox.put(None)  # what was emitted (a last "dead") still goes out
+        sender.join(timeout=30)
         core.shutdown()
     return 0
 
