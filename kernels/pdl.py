@@ -38,7 +38,12 @@ ENABLED = _read_switch()
 
 @functools.cache
 def _capable(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+    """Compute capability 9.0 or later, and a Triton that knows `launch_pdl` (3.3 and later)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in CUDAOptions.__dataclass_fields__ and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def pdl_enabled(t: torch.Tensor) -> bool:
