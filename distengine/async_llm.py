@@ -16,6 +16,7 @@ ends with `EngineDeadError` and so does every later one.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import threading
 import time
@@ -41,6 +42,7 @@ class _Stream:
     """One request's outputs, delivered into the request's event loop."""
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
+    request_id: str  # the caller's
 
 
 class _Outbox:
@@ -104,8 +106,13 @@ class AsyncLLM:
         self.outputs = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics(metrics_name or self.config.model)
         self.dead: EngineDeadError | None = None
-        self._streams: dict[str, _Stream] = {}
-        self._streams_lock = threading.Lock()  # one request id, one stream
+        # The engine knows a request by an id of its own, never reused: a step in flight when a
+        # request ended (aborted, or a stop string found here) may still carry its tokens, and they
+        # must not reach a new request under the same caller's id.
+        self._streams: dict[str, _Stream] = {}  # by engine id
+        self._engine_ids: dict[str, str] = {}   # the caller's id -> the engine id, while it runs
+        self._streams_lock = threading.Lock()
+        self._serial = itertools.count()
         self._outbox = _Outbox()  # the message handler's
         self._stopping = False
         if engine_process is None:
@@ -130,16 +137,18 @@ class AsyncLLM:
         returned, when the caller has already checked the prompt."""
         self._raise_if_dead()
         text, ids = checked if checked is not None else await asyncio.to_thread(self.check, prompt, sampling_params)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), request_id)
+        engine_id = f"{request_id}-{next(self._serial)}"
         with self._streams_lock:
-            if request_id in self._streams:
+            if request_id in self._engine_ids:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self.outputs.add_request(request_id, text, ids, sampling_params, time.monotonic())
-            self._streams[request_id] = stream
+            self.outputs.add_request(engine_id, text, ids, sampling_params, time.monotonic(), output_id=request_id)
+            self._streams[engine_id] = stream
+            self._engine_ids[request_id] = engine_id
         if self.dead is not None:  # it died while this one was being registered
-            self._forget(request_id)
+            self._forget(engine_id)
             raise self.dead
-        self.engine.send(("add", EngineRequest(request_id, ids, sampling=sampling_params,
+        self.engine.send(("add", EngineRequest(engine_id, ids, sampling=sampling_params,
                                                eos_token_ids=self.eos_token_ids)))
         finished = False
         held = None  # an error found while merging, raised after what came before it
@@ -162,11 +171,17 @@ class AsyncLLM:
                 yield out
         finally:
             if not finished:  # cancelled, or the consumer stopped reading: free its blocks now
-                self.abort(request_id)
+                self._abort(engine_id)
 
     def abort(self, request_id: str) -> None:
-        if self._forget(request_id):
-            self.engine.send(("abort", request_id))
+        """End the running request of this (the caller's) id; its blocks return to the pool."""
+        engine_id = self._engine_ids.get(request_id)
+        if engine_id is not None:
+            self._abort(engine_id)
+
+    def _abort(self, engine_id: str) -> None:
+        if self._forget(engine_id):
+            self.engine.send(("abort", engine_id))
 
     def collective_rpc(self, method: str, args: tuple = (), ranks: list[int] | None = None) -> list:
         """`Worker.method(*args)` on the given ranks (default: all), between two steps."""
@@ -232,15 +247,19 @@ class AsyncLLM:
         self._outbox.flush()
         self._record_state(stats)
 
-    def _forget(self, request_id: str) -> bool:
+    def _forget(self, engine_id: str) -> bool:
         """Drop a request's stream and output state; False when it had none left."""
         with self._streams_lock:
-            self.outputs.pop(request_id)
-            return self._streams.pop(request_id, None) is not None
+            self.outputs.pop(engine_id)
+            stream = self._streams.pop(engine_id, None)
+            if stream is not None:
+                del self._engine_ids[stream.request_id]
+            return stream is not None
 
     def _end_streams(self, error: BaseException) -> None:
         with self._streams_lock:
             streams, self._streams = self._streams, {}
+            self._engine_ids.clear()
             self.outputs.requests.clear()
         outbox = _Outbox()
         for stream in streams.values():

@@ -13,7 +13,7 @@ from distengine.scheduler import RequestUpdate
 
 @dataclass
 class RequestState:
-    req_id: str
+    req_id: str  # the engine's id of the request
     prompt: str | None
     prompt_token_ids: list[int]
     sampling: SamplingParams
@@ -31,6 +31,7 @@ class RequestState:
     first_token_time: float | None = None
     last_token_time: float | None = None
     last_gap: float | None = None  # seconds between its last two tokens
+    output_id: str | None = None  # the id its outputs carry, when not req_id (AsyncLLM: the caller's)
 
     @property
     def finished(self) -> bool:
@@ -48,7 +49,7 @@ class RequestState:
         reason = self.finish_reason if self.finish_reason != "abort" else None
         comp = CompletionOutput(index=0, text=text, token_ids=tokens, finish_reason=reason,
                                 stop_reason=self.stop_reason, logprobs=lps)
-        return RequestOutput(request_id=self.req_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+        return RequestOutput(request_id=self.output_id or self.req_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
                              num_cached_tokens=self.num_cached_tokens, finished=self.finished, outputs=[comp])
 
     def output(self) -> RequestOutput:
@@ -57,7 +58,7 @@ class RequestState:
                                 stop_reason=self.stop_reason, logprobs=self.logprobs,
                                 cumulative_logprob=(sum(d[t] for d, t in zip(self.logprobs, self.token_ids))
                                                     if self.logprobs is not None else None))
-        return RequestOutput(request_id=self.req_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+        return RequestOutput(request_id=self.output_id or self.req_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
                              num_cached_tokens=self.num_cached_tokens, finished=self.finished, outputs=[comp])
 
 
@@ -67,10 +68,11 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}
 
     def add_request(self, req_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    sampling: SamplingParams, arrival_time: float = 0.0) -> RequestState:
+                    sampling: SamplingParams, arrival_time: float = 0.0, output_id: str | None = None) -> RequestState:
         st = RequestState(req_id, prompt, prompt_token_ids, sampling,
                           IncrementalDetokenizer(self.tokenizer, prompt_token_ids, sampling.skip_special_tokens),
-                          logprobs=[] if sampling.logprobs is not None else None, arrival_time=arrival_time)
+                          logprobs=[] if sampling.logprobs is not None else None, arrival_time=arrival_time,
+                          output_id=output_id)
         self.requests[req_id] = st
         return st
 

@@ -495,6 +495,44 @@ def test_async_llm_refusals_in_either_engine_placement(model, monkeypatch):
 
 
 @pytest.mark.parametrize("engine_process", [True, False], ids=["engine-process", "engine-thread"])
+def test_a_request_id_reused_at_once_gets_only_its_own_tokens(model, engine_process):
+    """A request abandoned after a few tokens may still have tokens in a step in flight: the next
+    request under the same id must not receive them (the engine knows each by an id of its own)."""
+    import asyncio
+
+    from distengine import SamplingParams
+    from distengine.async_llm import AsyncLLM
+    engine = AsyncLLM(model, device="cpu", dtype="float32", max_model_len=256, engine_process=engine_process)
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+
+    async def collect(prompt: str, rid: str, keep: int | None = None) -> tuple[list[int], set[str]]:
+        ids, names = [], set()
+        gen = engine.generate(prompt, greedy, rid)
+        async for out in gen:
+            ids += out.outputs[0].token_ids
+            names.add(out.request_id)
+            if keep is not None and len(ids) >= keep:
+                await gen.aclose()  # abandoned: aborted at once
+                break
+        return ids, names
+
+    async def run() -> tuple[list[int], list[tuple[list[int], set[str]]]]:
+        reference, _ = await collect("people write with", "ref")
+        again = []
+        for _ in range(5):
+            await collect("the water is", "same", keep=3)
+            again.append(await collect("people write with", "same"))
+        return reference, again
+
+    try:
+        reference, again = asyncio.run(run())
+        assert engine.engine.call("is_idle").result(timeout=10)
+    finally:
+        engine.shutdown()
+    assert len(reference) == 30 and all(ids == reference and names == {"same"} for ids, names in again)
+
+
+@pytest.mark.parametrize("engine_process", [True, False], ids=["engine-process", "engine-thread"])
 def test_a_front_end_that_fails_on_outputs_ends_the_engine(model, engine_process):
     """An error while handling a step's outputs ends every request with EngineDeadError (no hang)."""
     import asyncio
