@@ -38,7 +38,10 @@ ENABLED = _read_switch()
 
 @functools.cache
 def _capable(device_index: int) -> bool:
-    """Compute capability 9.0 or later, and a Triton that knows `launch_pdl` (3.3 and later)."""
+    """Compute capability 9.0 or later, a Triton that knows `launch_pdl` (3.3 and later), and not
+    Triton's interpreter. Cached: it is asked at every launch."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return False
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
     except ImportError:
@@ -49,14 +52,18 @@ def _capable(device_index: int) -> bool:
 def pdl_enabled(t: torch.Tensor) -> bool:
     """Whether kernels on `t`'s device launch with PDL: a CUDA device of compute capability 9.0
     or later, not under Triton's interpreter, and not switched off."""
-    if not (ENABLED and t.is_cuda) or os.environ.get("TRITON_INTERPRET") == "1":
+    if not (ENABLED and t.is_cuda):
         return False
     return _capable(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
+_ON, _OFF = {"PDL": True, "launch_pdl": True}, {"PDL": False}
+
+
 def pdl_args(t: torch.Tensor) -> dict:
-    """The launch's keyword arguments: the kernel's `PDL` flag, and Triton's `launch_pdl`."""
-    return {"PDL": True, "launch_pdl": True} if pdl_enabled(t) else {"PDL": False}
+    """The launch's keyword arguments (unpack, do not modify): the kernel's `PDL` flag, and
+    Triton's `launch_pdl`."""
+    return _ON if pdl_enabled(t) else _OFF
 
 
 @triton.jit
