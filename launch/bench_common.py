@@ -5,10 +5,13 @@ weights, and the decode-step times read from the engine's step log.
 
 Roofline of a decode step: every byte it must read from device memory once, over the copy
 bandwidth: this rank's weights, plus each sequence's K/V in every layer (a sliding-window layer
-reads at most its window, a chunked one at most its chunk). Tensor-parallel ranks read their
-shares at the same time, so a step's roofline is one rank's bytes over one GPU's bandwidth.
-Roofline of a prefill: its matrix products (2 x parameters x tokens) over the measured product
-rate. Communication and attention FLOPs are not counted: the roofline is a floor.
+reads at most its window, a chunked one at most its chunk). Of routed experts (MoE layers) a
+step reads only those its tokens chose: with uniform routing (what random router weights give)
+a layer of E experts, k per token, reads E * (1 - (1 - k/E)^B) of them at batch B. Tensor-
+parallel ranks read their shares at the same time, so a step's roofline is one rank's bytes over
+one GPU's bandwidth. Roofline of a prefill: its matrix products (2 x active parameters x tokens)
+over the measured product rate. Communication and attention FLOPs are not counted: the roofline
+is a floor.
 """
 from __future__ import annotations
 
@@ -31,6 +34,9 @@ SHAPES = {
     # A Mamba-2 hybrid: 29 Mamba layers and 3 attention layers. Positions capped (published:
     # 262,144): transformers 5.17's Bamba builds a max_position_embeddings^2 mask (128 GiB).
     "bamba-9b": ("bamba", ("bamba-9b", dict(max_position_embeddings=16384))),
+    # Mamba-2 and attention layers, each with 64 routed experts (6 per token) beside a shared MLP;
+    # positions capped as Bamba's.
+    "granite-4.0-h-tiny": ("granitemoehybrid", ("granite-4.0-h-tiny", dict(max_position_embeddings=16384))),
     # For tests on CPU.
     "tiny": ("gemma3_text", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
                                  num_key_value_heads=2, head_dim=16, sliding_window=16, vocab_size=512, **_GEMMA3)),
@@ -38,6 +44,13 @@ SHAPES = {
                                  num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16,
                                  mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16, vocab_size=512,
                                  max_position_embeddings=4096)),
+    "tiny-granite-moe": ("granitemoehybrid", dict(hidden_size=64, intermediate_size=32, shared_intermediate_size=64,
+                                                  num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
+                                                  num_local_experts=8, num_experts_per_tok=2, num_attention_heads=4,
+                                                  num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=16,
+                                                  mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16,
+                                                  position_embedding_type="nope", vocab_size=512, tie_word_embeddings=True,
+                                                  max_position_embeddings=4096)),
 }
 
 
@@ -167,13 +180,18 @@ def _sync(device: str) -> None:
 # ---- the roofline -----------------------------------------------------------------------------------
 @dataclass
 class Roofline:
-    weight_bytes: int  # one rank's
+    weight_bytes: int  # one rank's, routed experts not included
     layers: tuple      # the plan's LayerKV
     tp: int
     dtype_bytes: int
     bandwidth: float   # bytes/s, one GPU
     matmul: float      # FLOP/s, one GPU
-    num_params: int    # the whole model's
+    num_params: int    # the whole model's that a token passes through (its k experts, not all)
+    experts: tuple = ()  # (experts, experts per token, one rank's bytes of them) per MoE layer
+
+    def expert_bytes(self, batch: int) -> float:
+        """Routed-expert bytes a step of `batch` tokens reads, its experts chosen uniformly."""
+        return sum(size * (1.0 - (1.0 - k / e) ** batch) for e, k, size in self.experts)
 
     def kv_bytes(self, context: int) -> int:
         """Cache bytes one rank moves in a decode step of one sequence of `context` tokens, every
@@ -192,7 +210,8 @@ class Roofline:
         return total
 
     def decode_step_s(self, contexts: list[int]) -> float:
-        return (self.weight_bytes + sum(self.kv_bytes(c) for c in contexts)) / self.bandwidth
+        weights = self.weight_bytes + self.expert_bytes(len(contexts))
+        return (weights + sum(self.kv_bytes(c) for c in contexts)) / self.bandwidth
 
     def decode_s(self, batch: int, input_len: int, output_len: int) -> float:
         """The decode steps of a batch: step j reads contexts of input_len + j tokens."""
@@ -210,14 +229,15 @@ def roofline_of(engine, bandwidth: float, matmul: float) -> Roofline:
     from workers.loader import load_hf_config, resolve_model_path
     hf = load_hf_config(resolve_model_path(engine.config.model)).get_text_config()
     dtype_bytes = {"bfloat16": 2, "float16": 2, "float32": 4}[info["dtype"]]
-    num_params = info["weight_bytes"] * plan.tp_size // dtype_bytes
+    experts = tuple(tuple(layer) for layer in info.get("experts", ()))
+    weight_bytes = info["weight_bytes"] - sum(size for _, _, size in experts)
+    num_params = (weight_bytes + sum(size * k / e for e, k, size in experts)) * plan.tp_size // dtype_bytes
     # Untied embeddings are read in full only for the rows used: count the LM head, not the table.
     if not getattr(hf, "tie_word_embeddings", True):
         num_params -= hf.vocab_size * hf.hidden_size
-    weight_bytes = info["weight_bytes"]
-    if not getattr(hf, "tie_word_embeddings", True):
         weight_bytes -= math.ceil(hf.vocab_size / plan.tp_size) * hf.hidden_size * dtype_bytes
-    return Roofline(weight_bytes, plan.layers, plan.tp_size, dtype_bytes, bandwidth, matmul, num_params)
+    return Roofline(weight_bytes, plan.layers, plan.tp_size, dtype_bytes, bandwidth, matmul, int(num_params),
+                    experts)
 
 
 # ---- the engine's own figures --------------------------------------------------------------------

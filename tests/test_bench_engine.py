@@ -97,3 +97,27 @@ def test_mamba_hybrid_roofline_moves_each_state_twice(tmp_path):
     assert main(["bench", "latency", "--model", folder, "--device", "cpu", "--batch-size", "2", "--input-len", "8",
                  "--output-len", "4", "--num-iters", "1", "--num-iters-warmup", "0",
                  "--output-json", str(tmp_path / "lat.json")]) == 0
+
+
+def test_moe_roofline_reads_only_the_chosen_experts(tmp_path):
+    """Routed experts count in a decode step's bytes only as far as its tokens choose them: a
+    batch of B tokens reads E * (1 - (1 - k/E)^B) of a layer's E experts (uniform routing), so one
+    token reads k and a large batch nearly all; the prefill's FLOPs count k experts per token.
+    `bench latency` runs on such a model (the `tiny-granite-moe` shape)."""
+    from distengine import LLM
+    from launch.bench_common import build_random_model, roofline_of
+    folder = str(tmp_path / "tg")
+    build_random_model(folder, "tiny-granite-moe", "cpu")
+    with LLM(folder, device="cpu", max_model_len=64) as llm:
+        rf = roofline_of(llm, bandwidth=1e12, matmul=1e12)
+        total = llm.plan_info["weight_bytes"]
+    per_layer = 8 * 3 * 32 * 64 * rf.dtype_bytes  # E x (gate, up, down) x I x H
+    assert rf.experts == ((8, 2, per_layer),) * 3
+    assert rf.weight_bytes == total - 3 * per_layer
+    assert rf.expert_bytes(1) == pytest.approx(3 * per_layer * 2 / 8)
+    assert 3 * per_layer * 0.99 < rf.expert_bytes(64) < 3 * per_layer
+    assert rf.decode_step_s([40]) == pytest.approx((rf.weight_bytes + rf.expert_bytes(1) + rf.kv_bytes(40)) / 1e12)
+    assert rf.num_params * rf.dtype_bytes == rf.weight_bytes + 3 * per_layer * 2 // 8
+    assert main(["bench", "latency", "--model", folder, "--device", "cpu", "--batch-size", "2", "--input-len", "8",
+                 "--output-len", "4", "--num-iters", "1", "--num-iters-warmup", "0",
+                 "--output-json", str(tmp_path / "lat.json")]) == 0

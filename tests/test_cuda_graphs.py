@@ -3,8 +3,9 @@ bit for bit; the engine with graphs gives the tokens of the engine without (gree
 sampling, penalties; batches padded to every captured size); no Triton kernel is compiled again
 after warm-up over a 300-token decode, with graphs and eagerly; the graphs' memory is counted
 before the KV cache is sized. With two GPUs: TP=2 on Ray, with its all-reduces inside the graphs,
-gives transformers' greedy tokens. Each on Gemma-3 and on a Mamba hybrid (Bamba: the state pages
-of a decode are found on the device, inside the graph)."""
+gives transformers' greedy tokens. Each on Gemma-3, on a Mamba hybrid (Bamba: the state pages
+of a decode are found on the device, inside the graph) and on Granite-4.0-H with routed experts
+(their sort by expert inside the graph)."""
 from __future__ import annotations
 
 import pytest
@@ -21,7 +22,7 @@ ARGS = dict(device="cuda", dtype="float32", block_size=4, max_model_len=256, max
             gpu_memory_utilization=0.3)
 
 
-@pytest.fixture(scope="module", params=["gemma3", "bamba"])
+@pytest.fixture(scope="module", params=["gemma3", "bamba", "granitemoehybrid_moe"])
 def model(request, tmp_path_factory):
     hf, _ = build(request.param)
     folder = tmp_path_factory.mktemp(request.param)

@@ -82,8 +82,19 @@ CONFIGS = {
                               mamba_chunk_size=16, attention_bias=True, embedding_multiplier=3.0,
                               residual_multiplier=0.6, attention_multiplier=0.1, logits_scaling=2.5,
                               eos_token_id=None, initializer_range=0.2)),
+    # Granite-4.0-H with routed experts (Tiny / Small): 6 experts, 2 per token, beside the shared
+    # MLP; NoPE and one B/C group as the released models (transformers up to 5.17 normalises the
+    # gated norm over all groups at once, later versions per group, as we do). A larger init
+    # spreads the router's logits, so that no top-k choice rests on a near tie between experts.
+    "granitemoehybrid_moe": ("GraniteMoeHybridConfig", "workers.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
+                             dict(num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
+                                  num_local_experts=6, num_experts_per_tok=2, shared_intermediate_size=64,
+                                  position_embedding_type="nope", mamba_n_heads=8,
+                                  mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=16,
+                                  embedding_multiplier=2.0, residual_multiplier=0.7, attention_multiplier=0.2,
+                                  logits_scaling=1.5, eos_token_id=None, initializer_range=0.2)),
 }
-HYBRIDS = ["bamba", "nemotron_h", "falcon_h1", "falcon_h1_norm", "granitemoehybrid"]
+HYBRIDS = ["bamba", "nemotron_h", "falcon_h1", "falcon_h1_norm", "granitemoehybrid", "granitemoehybrid_moe"]
 
 
 def build(name: str, seed: int = 0, device: str = "cpu"):
@@ -175,15 +186,40 @@ def test_nemotron_h_published_names_load_the_same(tmp_path):
     assert torch.equal(got, want)
 
 
-def test_mixture_of_experts_configs_are_refused_clearly():
-    from workers.models.granitemoehybrid import GraniteMoeHybridForCausalLM
+def test_nemotron_h_expert_layers_are_refused_clearly():
     from workers.models.nemotron_h import NemotronHForCausalLM
     nemotron = transformers.NemotronHConfig(**COMMON, hybrid_override_pattern="M*E-", mamba_num_heads=8,
                                             mamba_head_dim=16, ssm_state_size=16, n_groups=2)
-    granite = transformers.GraniteMoeHybridConfig(**COMMON, num_hidden_layers=2, layer_types=["mamba", "attention"],
-                                                  num_local_experts=4, mamba_n_heads=8, mamba_d_head=16,
-                                                  mamba_d_state=16)
-    for cls, config, note in [(NemotronHForCausalLM, nemotron, r"MoE layer.*\[2\]"),
-                              (GraniteMoeHybridForCausalLM, granite, "num_local_experts=4")]:
-        with pytest.raises(ValueError, match=f"mixture-of-experts layers are not supported yet.*{note}"):
-            cls(config, TPGroup(), torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"mixture-of-experts layers are not supported yet.*MoE layer.*\[2\]"):
+        NemotronHForCausalLM(nemotron, TPGroup(), torch.float32, torch.device("cpu"))
+
+
+def test_granite_experts_load_under_both_spellings_and_tp_shards_them(tmp_path):
+    """The published names (`input_linear`, `output_linear`, `router.layer`, what save_pretrained
+    writes) and transformers 5's in-memory names load the same; a rank's experts hold its slices
+    of the gate and up halves and of down's columns; a router wider than its experts is refused."""
+    from safetensors.torch import save_file
+
+    from workers.models.granitemoehybrid import GraniteMoeHybridForCausalLM
+    hf, ours = build("granitemoehybrid_moe")
+    hf.save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert "model.layers.0.block_sparse_moe.experts.gate_up_proj" in state
+    save_file(state, str(tmp_path / "model.safetensors"))
+    v5 = load_model(str(tmp_path), GraniteMoeHybridForCausalLM, TPGroup(), "float32", "cpu")
+    for (name, a), (_, b) in zip(ours.named_parameters(), v5.named_parameters()):
+        assert torch.equal(a, b), name
+
+    class Rank1:
+        world_size, rank = 2, 1
+    half = GraniteMoeHybridForCausalLM(hf.config, Rank1(), torch.float32, torch.device("cpu"))
+    half.load_weights(state.items())
+    full = state["model.layers.0.block_sparse_moe.experts.gate_up_proj"]  # [E, 2 * 128, H]
+    got = half.model.layers[0].block_sparse_moe.experts
+    assert full.shape[1] == 256 and got.w13.shape[1] == 128
+    assert torch.equal(got.w13[:, :64], full[:, 64:128]) and torch.equal(got.w13[:, 64:], full[:, 192:])
+    assert torch.equal(got.w2, state["model.layers.0.block_sparse_moe.experts.down_proj"][:, :, 64:])
+    wrong = transformers.GraniteMoeHybridConfig(**{**hf.config.to_dict(), "num_experts_per_tok": 7})
+    with pytest.raises(ValueError, match="experts per token must be 1 to 6"):
+        GraniteMoeHybridForCausalLM(wrong, TPGroup(), torch.float32, torch.device("cpu"))

@@ -6,6 +6,7 @@ import torch
 from kernels.activation import gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref
 from kernels.kv_store import store_kv, store_kv_ref
 from kernels.gated_rmsnorm import gated_rms_norm, gated_rms_norm_ref
+from kernels.fused_moe import fused_experts, fused_experts_ref
 from kernels.gemv import SKINNY_MAX_ROWS, gemv, skinny_gemm
 from kernels.layernorm import rms_norm, rms_norm_ref
 from kernels.mamba_conv import (causal_conv1d_update, causal_conv1d_update_ref, causal_conv1d_varlen,
@@ -32,6 +33,7 @@ causal_conv1d_update_op = _pick(causal_conv1d_update, causal_conv1d_update_ref)
 ssd_scan_varlen_op = _pick(ssd_scan_varlen, ssd_scan_varlen_ref)
 selective_state_update_op = _pick(selective_state_update, selective_state_update_ref)
 gated_rms_norm_op = _pick(gated_rms_norm, gated_rms_norm_ref)
+fused_experts_op = _pick(fused_experts, fused_experts_ref)
 ACTIVATIONS = {
     "silu": _pick(silu_and_mul, silu_and_mul_ref),
     "gelu_pytorch_tanh": _pick(gelu_tanh_and_mul, gelu_tanh_and_mul_ref),
@@ -56,4 +58,4 @@ def act_and_mul(name: str):
 
 __all__ = ["linear_op", "rms_norm_op", "rotary_op", "store_kv_op", "paged_attention_op", "qk_norm_rope_op",
            "act_and_mul", "causal_conv1d_varlen_op", "causal_conv1d_update_op", "ssd_scan_varlen_op",
-           "selective_state_update_op", "gated_rms_norm_op", "torch"]
+           "selective_state_update_op", "gated_rms_norm_op", "fused_experts_op", "torch"]

@@ -129,7 +129,8 @@ class Worker:
                 "device": str(self.device), "cuda_graphs": r.graphs.sizes if r.graphs else [],
                 "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "CPU",
                 "graph_memory_bytes": r.graph_memory_bytes, "max_num_batched_tokens": r.max_num_batched_tokens,
-                "weight_bytes": sum(p.numel() * p.element_size() for p in r.model.parameters())}
+                "weight_bytes": sum(p.numel() * p.element_size() for p in r.model.parameters()),
+                "experts": expert_layers(r.model)}
 
     def measure_ceilings(self) -> tuple[float, float]:
         """(copy bandwidth in bytes/s, matrix-product rate in FLOP/s) of this rank's device: the
@@ -177,3 +178,11 @@ class Worker:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def expert_layers(model: torch.nn.Module) -> list[tuple[int, int, int]]:
+    """(experts, experts per token, this rank's bytes of their weights) per routed-experts layer:
+    a decode step reads only the experts its tokens chose (the benchmarks' roofline)."""
+    from workers.layers.moe import FusedMoE
+    return [(m.num_experts, m.top_k, sum(p.numel() * p.element_size() for p in m.parameters()))
+            for m in model.modules() if isinstance(m, FusedMoE)]

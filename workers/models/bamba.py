@@ -31,19 +31,16 @@ class MambaHybridForCausalLM(LlamaForCausalLM):
     """A decoder whose layers are attention or Mamba-2 (or both side by side); subclasses give
     the decoder layer class and the mixer's options read from their config."""
 
-    # MoE layers: a clear refusal (what is missing), before any weight is read.
+    # MoE layers (Nemotron-H's "E"): a clear refusal (what is missing), before any weight is read.
     def __init__(self, config, tp: TPGroup, dtype: torch.dtype, device: torch.device,
                  max_positions: int | None = None) -> None:
         from workers.models.llama import layer_kinds
         kinds = layer_kinds(config)
-        if MOE in kinds or self.has_experts(config):
+        if MOE in kinds:
             raise ValueError(f"{type(self).__name__}: mixture-of-experts layers are not supported yet (this config "
                              f"has {self.expert_note(config)}); only the dense variants run")
         self.shape = mamba_shape(config, dtype)
         super().__init__(config, tp, dtype, device, max_positions)
-
-    def has_experts(self, config) -> bool:
-        return False
 
     def expert_note(self, config) -> str:
         return "MoE layers"

@@ -1,5 +1,6 @@
-"""Granite-4.0-H (GraniteMoeHybrid), dense variant: Mamba-2 or attention layers (`layer_types`),
-each followed by the `shared_mlp`, with Granite's multipliers:
+"""Granite-4.0-H (GraniteMoeHybrid): Mamba-2 or attention layers (`layer_types`), each followed
+by the `shared_mlp` and, with routed experts (`num_local_experts` > 0: Tiny, Small), the
+`block_sparse_moe` beside it; Granite's multipliers:
 
 * `embedding_multiplier` on the embedding; `residual_multiplier` on both sublayers' outputs before
   they join the residual stream; `attention_multiplier` is the attention scale (not
@@ -7,10 +8,12 @@ each followed by the `shared_mlp`, with Granite's multipliers:
 * RoPE only when `position_embedding_type` is "rope" (the released models: "nope");
 * the shared MLP: one fused `input_linear` [gate | up] (halves of 2 * shared_intermediate_size)
   and `output_linear`, silu-gated; `input_linear` is sliced per half for tensor parallelism;
-* Mamba-2 mixers as Bamba's: gated RMSNorm with the gate before the norm.
-
-A config with routed experts (`num_local_experts` > 0: block_sparse_moe) is refused at
-construction: mixture-of-experts is not supported yet.
+* Mamba-2 mixers as Bamba's: gated RMSNorm with the gate before the norm;
+* the routed experts: a router (top-k of its logits, softmax over those k), then the experts'
+  silu-gated MLPs (`workers/layers/moe.py`); their sum and the shared MLP's leave the layer
+  through one all-reduce. Checkpoints name them `block_sparse_moe.input_linear` [E, 2I, H],
+  `output_linear` [E, H, I] and `router.layer` (transformers 5 in memory: `experts.gate_up_proj`,
+  `experts.down_proj`, `router.weight`); both spellings load.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from torch import nn
 from distengine.kv_cache.model_config import MAMBA, MLP, MOE, PARALLEL
 from workers.layers.linear import RowParallelLinear
 from workers.layers.mamba import Segmented
+from workers.layers.moe import FusedMoE, Router
 from workers.models.bamba import MambaHybridForCausalLM
 from workers.models.llama import DecoderModel, LlamaAttention, RMSNorm
 from workers.ops import act_and_mul, linear_op
@@ -40,17 +44,32 @@ class GraniteSharedMLP(nn.Module):
     """input_linear [gate | up] (each half column-parallel on its own) -> silu(gate) * up ->
     output_linear (row-parallel)."""
 
-    def __init__(self, config, tp: TPGroup, dtype, device, prefix: str) -> None:
+    def __init__(self, config, tp: TPGroup, dtype, device, prefix: str, reduce: bool = True) -> None:
         super().__init__()
         h, i = config.hidden_size, config.shared_intermediate_size
         start, size = split_evenly(i, tp, f"{prefix}.input_linear half")
         self.input_linear = Segmented([(i, start, size), (i, start, size)], (h,), False, dtype, device,
                                       f"{prefix}.input_linear")
-        self.output_linear = RowParallelLinear(i, h, False, tp, dtype, device, f"{prefix}.output_linear")
+        self.output_linear = RowParallelLinear(i, h, False, tp, dtype, device, f"{prefix}.output_linear",
+                                               reduce=reduce)
         self.act = act_and_mul(getattr(config, "hidden_act", None) or "silu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.output_linear(self.act(linear_op(x, self.input_linear.weight)))
+
+
+class GraniteMoE(nn.Module):
+    """block_sparse_moe: the router and the routed experts (this rank's partial sum)."""
+
+    def __init__(self, config, tp: TPGroup, dtype, device, prefix: str) -> None:
+        super().__init__()
+        e, h = num_experts(config), config.hidden_size
+        self.router = Router(h, e, dtype, device)
+        self.experts = FusedMoE(e, int(config.num_experts_per_tok), h, config.intermediate_size,
+                                getattr(config, "hidden_act", None) or "silu", tp, dtype, device, f"{prefix}.experts")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, self.router(x))
 
 
 class GraniteMoeHybridDecoderLayer(nn.Module):
@@ -69,7 +88,12 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
         else:
             self.self_attn = GraniteMoeHybridAttention(config, i, kind, tp, dtype, device, f"{prefix}.self_attn",
                                                        rope_cache)
-        self.shared_mlp = GraniteSharedMLP(config, tp, dtype, device, f"{prefix}.shared_mlp")
+        # With experts, both sums leave through one all-reduce (the layer's), not one each.
+        self.block_sparse_moe = GraniteMoE(config, tp, dtype, device, f"{prefix}.block_sparse_moe") \
+            if num_experts(config) > 0 else None
+        self.shared_mlp = GraniteSharedMLP(config, tp, dtype, device, f"{prefix}.shared_mlp",
+                                           reduce=self.block_sparse_moe is None)
+        self.tp = tp
         self.residual_multiplier = multiplier(config, "residual_multiplier")
 
     def _scaled(self, h: torch.Tensor) -> torch.Tensor:
@@ -82,7 +106,9 @@ class GraniteMoeHybridDecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x, residual)
         h = self.mamba(h, meta) if hasattr(self, "mamba") else self.self_attn(positions, h, meta)
         h, residual = self.post_attention_layernorm(self._scaled(h), residual)
-        return self._scaled(self.shared_mlp(h)), residual
+        if self.block_sparse_moe is None:
+            return self._scaled(self.shared_mlp(h)), residual
+        return self._scaled(self.tp.all_reduce(self.block_sparse_moe(h) + self.shared_mlp(h))), residual
 
 
 class GraniteMoeHybridDecoderModel(DecoderModel):
@@ -107,12 +133,6 @@ class GraniteMoeHybridForCausalLM(MambaHybridForCausalLM):
         super().__init__(config, tp, dtype, device, max_positions)
         self.logits_scaling = multiplier(config, "logits_scaling")
 
-    def has_experts(self, config) -> bool:
-        return num_experts(config) > 0
-
-    def expert_note(self, config) -> str:
-        return f"num_local_experts={num_experts(config)}: block_sparse_moe layers"
-
     def make_layer(self, config, i, kind, tp, dtype, device, rope_cache):
         if kind in (MLP, MOE, PARALLEL):
             raise ValueError(f"Granite-4.0-H: layer {i} has type {kind!r}; its layers are attention or Mamba")
@@ -126,3 +146,37 @@ class GraniteMoeHybridForCausalLM(MambaHybridForCausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)
         return logits / self.logits_scaling if self.logits_scaling != 1.0 else logits
+
+    # ---- weights: the experts under their checkpoint names or transformers 5's ---------------
+    def checkpoint_to_param(self, name: str) -> tuple[str, object]:
+        return super().checkpoint_to_param(our_name(name))
+
+    def expected_checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        out: dict[str, tuple[int, ...]] = {}
+        for name, shape in super().expected_checkpoint_shapes().items():
+            for ours, spellings in EXPERT_NAMES.items():
+                if name.endswith(ours):
+                    out.update({name[: -len(ours)] + s: shape for s in spellings})
+                    break
+            else:
+                out[name] = shape
+        return out
+
+    def missing_weights(self, loaded: set[str]) -> list[str]:
+        return sorted(set(super().expected_checkpoint_shapes()) - {our_name(n) for n in loaded})
+
+
+# Our parameter (suffix) -> its checkpoint spellings: the published one, then transformers 5's.
+EXPERT_NAMES = {
+    ".block_sparse_moe.experts.w13": (".block_sparse_moe.input_linear.weight", ".block_sparse_moe.experts.gate_up_proj"),
+    ".block_sparse_moe.experts.w2": (".block_sparse_moe.output_linear.weight", ".block_sparse_moe.experts.down_proj"),
+    ".block_sparse_moe.router.weight": (".block_sparse_moe.router.layer.weight", ".block_sparse_moe.router.weight"),
+}
+
+
+def our_name(name: str) -> str:
+    for ours, spellings in EXPERT_NAMES.items():
+        for s in spellings:
+            if name.endswith(s):
+                return name[: -len(s)] + ours
+    return name

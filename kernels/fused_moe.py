@@ -1,0 +1,172 @@
+"""Mixture-of-experts feed-forward: each token's hidden state through its top-k experts' gated
+MLPs, the outputs weighted by the router and summed.
+
+    y[t] = sum_j  w[t, j] * W2[e_tj] @ act(W13[e_tj] @ x[t])        (e_tj = topk_ids[t, j])
+
+`fused_experts` runs it in two grouped GEMM launches (vLLM's fused_moe layout): the (token, j)
+pairs are sorted by expert and each expert's run padded to whole BLOCK_M tiles (`moe_align`),
+so a program multiplies one tile of rows that all use one expert's weights, and reads only the
+weights of experts that some token chose. The first launch gives [T*k, 2I] (gate | up), the
+activation kernel [T*k, I], the second launch [T*k, H] already scaled by the routing weights,
+and a sum over k gives [T, H]. Every shape is fixed by T, k, E and BLOCK_M (the sort, counts
+and block table are torch ops of static shape), so a decode step with experts is captured in a
+CUDA graph like any other. `fused_experts_ref` is the plain loop over experts (the engine's path
+on CPU, and the tests' oracle).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.paged_attention import _interpreter_bf16
+from kernels.pdl import pdl_args, pdl_wait
+
+__all__ = ["fused_experts", "fused_experts_ref", "moe_align", "moe_config"]
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_ids [T, k] -> (rows, block_expert).
+
+    rows [P]: the flat (token, j) indices t*k + j sorted by expert, each expert's run padded to a
+    multiple of `block_m` with T*k (no row); P = round_up(T*k + E*(block_m - 1), block_m), the
+    most any routing needs. block_expert [P / block_m]: the expert of each tile, -1 past the
+    last used tile."""
+    if topk_ids.dim() != 2:
+        raise ValueError(f"topk_ids must be [tokens, k], got {tuple(topk_ids.shape)}")
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    n = flat.numel()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    order = torch.sort(flat, stable=True).indices  # pairs grouped by expert, in token order within one
+    expert_of = flat[order]
+    rank = torch.arange(n, device=dev) - (torch.cumsum(counts, 0) - counts)[expert_of]
+    size = triton.cdiv(n + num_experts * (block_m - 1), block_m) * block_m
+    rows = torch.full((size,), n, dtype=torch.int32, device=dev)
+    rows[(ends - padded)[expert_of] + rank] = order.to(torch.int32)
+    starts = torch.arange(0, size, block_m, device=dev)
+    block_expert = torch.searchsorted(ends, starts, right=True)
+    block_expert = torch.where(starts < ends[-1], block_expert, -1).to(torch.int32)
+    return rows, block_expert
+
+
+@triton.jit(do_not_specialize=["num_rows"])  # T*k changes with every prefill's length
+def _moe_gemm_kernel(a_ptr, w_ptr, b_ptr, c_ptr, rw_ptr, rows_ptr, bexp_ptr, N, K, num_rows,
+                     stride_am, stride_we, stride_wn, stride_be, stride_cm,
+                     A_ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_ROUTED: tl.constexpr,
+                     DOT_F32: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] tile of c[rows] = a[rows // A_ROW_DIV] @ w[e]^T (+ b[e]) (* rw[rows])
+    for the tile's expert e."""
+    pdl_wait(PDL)
+    pid_m = tl.program_id(0)
+    expert = tl.load(bexp_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = rows < num_rows
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    rk = tl.arange(0, BLOCK_K)
+    a_rows = a_ptr + (rows // A_ROW_DIV).to(tl.int64)[:, None] * stride_am
+    w_rows = w_ptr + expert * stride_we + rn.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(0, K, BLOCK_K):
+        kk = k + rk
+        k_ok = kk < K
+        a = tl.load(a_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if DOT_F32:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + expert * stride_be + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if MUL_ROUTED:
+        acc *= tl.load(rw_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & n_ok[None, :])
+
+
+def moe_config(num_pairs: int, num_experts: int) -> dict:
+    """Tiles: 16-row tiles while the (token, j) pairs are few per expert (decode: every tile is
+    mostly padding, and a larger one would only multiply zeros), 64 rows once the experts get
+    enough rows each (prefill)."""
+    if num_pairs <= 4 * num_experts:
+        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+    return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
+
+
+def _grouped_gemm(a, w, b, rows, block_expert, out, routed, a_row_div: int, cfg: dict) -> None:
+    n, k = w.shape[1], w.shape[2]
+    grid = (block_expert.numel(), triton.cdiv(n, cfg["BLOCK_N"]))
+    _moe_gemm_kernel[grid](
+        a, w, b if b is not None else w, out, routed if routed is not None else out, rows, block_expert,
+        n, k, out.shape[0], a.stride(0), w.stride(0), w.stride(1), b.stride(0) if b is not None else 0,
+        out.stride(0), A_ROW_DIV=a_row_div, HAS_BIAS=b is not None, MUL_ROUTED=routed is not None,
+        DOT_F32=_interpreter_bf16(a), PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], **pdl_args(a))
+
+
+def _check(x, w13, w2, topk_weights, topk_ids, b13, b2) -> None:
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"x must be [T, H], w13 [E, 2I, H] and w2 [E, H, I], got {tuple(x.shape)}, "
+                         f"{tuple(w13.shape)}, {tuple(w2.shape)}")
+    e, two_i, h = w13.shape
+    if h != x.shape[1] or two_i % 2 or tuple(w2.shape) != (e, h, two_i // 2):
+        raise ValueError(f"expert shapes do not fit: x {tuple(x.shape)}, w13 {tuple(w13.shape)} (want [E, 2I, "
+                         f"{x.shape[1]}]), w2 {tuple(w2.shape)} (want [{e}, {h}, {two_i // 2}])")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids and topk_weights must both be [{x.shape[0]}, k], got "
+                         f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
+    if b13 is not None and tuple(b13.shape) != (e, two_i) or b2 is not None and tuple(b2.shape) != (e, h):
+        raise ValueError(f"biases must be [{e}, {two_i}] and [{e}, {h}]")
+    if not (x.dtype == w13.dtype == w2.dtype):
+        raise TypeError(f"x and the expert weights need one dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor, act_and_mul, b13: torch.Tensor | None = None,
+                  b2: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], topk_weights / topk_ids
+    [T, k] -> [T, H] in x's dtype; `act_and_mul` maps [R, 2I] -> [R, I] (e.g. silu(gate) * up).
+    Ids must lie in [0, E) (the router's top-k)."""
+    _check(x, w13, w2, topk_weights, topk_ids, b13, b2)
+    t, k = topk_ids.shape
+    e, two_i, h = w13.shape
+    if t == 0:
+        return x.new_zeros((0, h))
+    cfg = config or moe_config(t * k, e)
+    rows, block_expert = moe_align(topk_ids, e, cfg["BLOCK_M"])
+    x = x if x.stride(1) == 1 else x.contiguous()
+    gate_up = torch.empty((t * k, two_i), dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w13, b13, rows, block_expert, gate_up, None, k, cfg)
+    inter = act_and_mul(gate_up)
+    out = torch.empty((t * k, h), dtype=x.dtype, device=x.device)
+    _grouped_gemm(inter, w2, b2, rows, block_expert, out, topk_weights.reshape(-1).contiguous(), 1, cfg)
+    return out.view(t, k, h).sum(1, dtype=torch.float32).to(x.dtype)
+
+
+def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor, act_and_mul, b13: torch.Tensor | None = None,
+                      b2: torch.Tensor | None = None) -> torch.Tensor:
+    """The same sum as a loop over the experts that some token chose, in fp32 (fp64 for fp64
+    inputs); the gated activation's input and output rounded to x's dtype as the kernel's are."""
+    _check(x, w13, w2, topk_weights, topk_ids, b13, b2)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    t, k = topk_ids.shape
+    out = torch.zeros((t, x.shape[1]), dtype=acc, device=x.device)
+    flat = topk_ids.reshape(-1)
+    for e in torch.unique(flat).tolist():
+        pairs = (flat == e).nonzero().flatten()
+        tokens = pairs // k
+        h = x[tokens].to(acc) @ w13[e].to(acc).T
+        if b13 is not None:
+            h = h + b13[e].to(acc)
+        h = act_and_mul(h.to(x.dtype)).to(acc) @ w2[e].to(acc).T
+        if b2 is not None:
+            h = h + b2[e].to(acc)
+        out.index_add_(0, tokens, h * topk_weights.reshape(-1)[pairs].to(acc)[:, None])
+    return out.to(x.dtype)

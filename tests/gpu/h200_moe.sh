@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# GPU checks and benchmarks of the routed experts (Granite-4.0-H with MoE), for the device tool's
+# machines, from the project root, after `bash .whl/install.sh && export PYTHONPATH=/tmp/site:$PWD`:
+#   bash tests/gpu/h200_moe.sh tests   # one H200 (~4 min): kernel, model and CUDA graph tests natively; kernel bench
+#   bash tests/gpu/h200_moe.sh bench   # one H200 (~5 min): Granite-4.0-H-Tiny shape, TP=1 + HF generate
+# Logs and JSON go to $OUT; a short table is printed last. Each step has its own time limit.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+mode=${1:-tests}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__,
+"transformers", transformers.__version__, "gpus", torch.cuda.device_count())'
+io="--input-len 512 --output-len 128 --num-iters 2 --num-iters-warmup 1"
+summary() { echo "== $1"; tail -n "${2:-20}" "$OUT/$3"; }
+
+if [ "$mode" = tests ]; then
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_moe.py \
+      "tests/test_models.py::test_prefill_logits_and_greedy_match_transformers" -k "moe or granite" \
+      > "$OUT/pytest_kernels.log" 2>&1; echo "pytest exit $?" >> "$OUT/pytest_kernels.log"
+  timeout 240 python3 -m pytest -o addopts= -v -p no:cacheprovider --timeout 200 -k granitemoehybrid_moe \
+      tests/test_cuda_graphs.py > "$OUT/pytest_graphs.log" 2>&1; echo "pytest exit $?" >> "$OUT/pytest_graphs.log"
+  timeout 150 python3 -m kernels.bench_moe > "$OUT/bench_moe.log" 2>&1
+  summary "kernels + models" 4 pytest_kernels.log
+  grep -E "PASS|FAIL|SKIP|ERROR|Timeout|exit" "$OUT/pytest_graphs.log" | head -20
+  summary bench_moe 20 bench_moe.log
+fi
+
+if [ "$mode" = bench ]; then
+  timeout 420 python3 -m launch.cli bench latency --shape granite-4.0-h-tiny --model-dir /tmp/gt \
+      --batch-size 1 32 128 $io --hf --output-json "$OUT/granite_tp1.json" > "$OUT/granite_tp1.log" 2>&1
+  summary "Granite-4.0-H-Tiny TP=1" 18 granite_tp1.log
+fi

@@ -1,0 +1,148 @@
+"""The mixture-of-experts kernels against a float64 loop over tokens and their experts, written
+here without the kernels' sort (on CPU under TRITON_INTERPRET=1, natively on a GPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.activation import silu_and_mul, silu_and_mul_ref
+from kernels.fused_moe import _grouped_gemm, fused_experts, fused_experts_ref, moe_align, moe_config
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
+SMALL = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}
+LARGE = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}
+
+
+def oracle(x, w13, w2, weights, ids, b13=None, b2=None) -> torch.Tensor:
+    """y[t] = sum_j w[t, j] * (W2 silu-gated(W13 x[t] + b13) + b2), all in float64, token by token."""
+    x, w13, w2, weights = x.double(), w13.double(), w2.double(), weights.double()
+    inter = w13.shape[1] // 2
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64, device=x.device)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            h = w13[e] @ x[t] + (b13[e].double() if b13 is not None else 0)
+            h = torch.nn.functional.silu(h[:inter]) * h[inter:]
+            out[t] += weights[t, j] * (w2[e] @ h + (b2[e].double() if b2 is not None else 0))
+    return out
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all(), "non-finite output (unwritten or poisoned rows)"
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def routing(t: int, e: int, k: int, seed: int, skip: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    """k distinct experts per token (never one in `skip`), softmax-like weights."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(t, e, generator=g)
+    scores[:, list(skip)] = -1.0
+    vals, ids = scores.topk(k, dim=1)
+    return (vals / vals.sum(1, keepdim=True)).to(DEVICE), ids.to(DEVICE)
+
+
+def expert_weights(e: int, inter: int, h: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(e, 2 * inter, h, generator=g) / h ** 0.5).to(DEVICE, dtype)
+    w2 = (torch.randn(e, h, inter, generator=g) / inter ** 0.5).to(DEVICE, dtype)
+    return w13, w2
+
+
+@pytest.mark.parametrize("t,e,k", [(1, 8, 2), (5, 6, 3), (40, 4, 2), (3, 16, 1)])
+@pytest.mark.parametrize("block_m", [1, 4, 16])
+def test_moe_align_groups_every_pair_once_by_expert(t, e, k, block_m):
+    _, ids = routing(t, e, k, seed=t * 100 + e, skip=(e - 1,))
+    rows, block_expert = moe_align(ids, e, block_m)
+    n = t * k
+    assert rows.numel() == -(-(n + e * (block_m - 1)) // block_m) * block_m
+    assert block_expert.numel() == rows.numel() // block_m
+    real = rows[rows < n]
+    assert sorted(real.tolist()) == list(range(n)), "every (token, j) pair exactly once"
+    assert (rows[rows >= n] == n).all(), "padding rows hold the sentinel"
+    flat = ids.flatten()
+    used = 0
+    for b, ex in enumerate(block_expert.tolist()):
+        tile = rows[b * block_m:(b + 1) * block_m]
+        tile = tile[tile < n]
+        if ex < 0:
+            assert tile.numel() == 0
+            continue
+        used = b + 1
+        assert tile.numel() > 0, "a tile with an expert holds at least one pair"
+        assert (flat[tile.long()] == ex).all(), "a tile's pairs all use its expert"
+    assert (block_expert[used:] == -1).all() and (block_expert[:used] >= 0).all()
+    assert (block_expert[:used].diff() >= 0).all(), "tiles in expert order"
+    assert (e - 1) not in block_expert.tolist(), "an expert no token chose has no tile"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("t,e,k,h,inter,cfg", [
+    (1, 8, 2, 64, 32, SMALL),  # a decode step: every tile mostly padding
+    (7, 6, 3, 40, 24, SMALL),  # ragged H and I: masked columns and a partial K step
+    (37, 4, 2, 64, 48, LARGE),  # 64-row tiles, experts with many rows
+    (9, 5, 2, 32, 16, None),  # the default tile rule
+])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_fused_experts_against_a_float64_loop(dtype, t, e, k, h, inter, cfg, bias):
+    g = torch.Generator().manual_seed(t + e)
+    x = torch.randn(t, h, generator=g).to(DEVICE, dtype)
+    w13, w2 = expert_weights(e, inter, h, dtype, seed=e)
+    weights, ids = routing(t, e, k, seed=t, skip=(0,))  # expert 0 unused: its weights never read
+    b13 = (torch.randn(e, 2 * inter, generator=g) * 0.5).to(DEVICE, dtype) if bias else None
+    b2 = (torch.randn(e, h, generator=g) * 0.5).to(DEVICE, dtype) if bias else None
+    w13[0], w2[0] = float("nan"), float("nan")
+    ref = oracle(x, w13, w2, weights, ids, b13, b2)
+    got = fused_experts(x, w13, w2, weights, ids, silu_and_mul, b13, b2, config=cfg)
+    assert got.shape == (t, h) and got.dtype == dtype
+    assert rel_err(got, ref) < TOL[dtype]
+    assert rel_err(fused_experts_ref(x, w13, w2, weights, ids, silu_and_mul_ref, b13, b2), ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("a_row_div,routed", [(2, False), (1, True)], ids=["gate_up", "down"])
+def test_grouped_gemm_writes_each_pair_row_once_and_nothing_else(a_row_div, routed):
+    """One launch on its own: a NaN-poisoned output whose rows are views of wider rows: every pair's
+    row written with its expert's product (scaled by its routing weight in the second launch),
+    the columns beside it untouched."""
+    t, e, k, kdim, n = 6, 5, 2, 48, 40
+    g = torch.Generator().manual_seed(7)
+    a = torch.randn(t * k // a_row_div, kdim, generator=g).to(DEVICE)
+    w = torch.randn(e, n, kdim, generator=g).to(DEVICE)
+    weights, ids = routing(t, e, k, seed=3)
+    rows, block_expert = moe_align(ids, e, SMALL["BLOCK_M"])
+    wide = torch.full((t * k, n + 3), float("nan"), device=DEVICE)
+    out = wide[:, :n]
+    _grouped_gemm(a, w, None, rows, block_expert, out, weights.reshape(-1) if routed else None, a_row_div, SMALL)
+    flat = ids.flatten()
+    for p in range(t * k):
+        want = w[flat[p]].double() @ a[p // a_row_div].double()
+        if routed:
+            want = want * weights.reshape(-1)[p].double()
+        assert torch.allclose(out[p].double(), want, rtol=1e-5, atol=1e-5), p
+    assert torch.isnan(wide[:, n:]).all(), "wrote outside the output rows"
+
+
+def test_moe_config_rule_and_empty_batch():
+    assert moe_config(8, 64)["BLOCK_M"] == 16 and moe_config(4096, 64)["BLOCK_M"] == 64
+    w13, w2 = expert_weights(4, 8, 16, torch.float32, seed=0)
+    x = torch.zeros(0, 16, device=DEVICE)
+    ids = torch.zeros(0, 2, dtype=torch.int64, device=DEVICE)
+    assert fused_experts(x, w13, w2, ids.float(), ids, silu_and_mul).shape == (0, 16)
+
+
+def test_fused_experts_bad_arguments():
+    w13, w2 = expert_weights(4, 8, 16, torch.float32, seed=0)
+    x = torch.randn(3, 16, device=DEVICE)
+    weights, ids = routing(3, 4, 2, seed=0)
+    with pytest.raises(ValueError, match="expert shapes do not fit"):
+        fused_experts(torch.randn(3, 12, device=DEVICE), w13, w2, weights, ids, silu_and_mul)
+    with pytest.raises(ValueError, match="expert shapes do not fit"):
+        fused_experts(x, w13, w2[:, :, :4], weights, ids, silu_and_mul)
+    with pytest.raises(ValueError, match=r"topk_ids and topk_weights must both be \[3, k\]"):
+        fused_experts(x, w13, w2, weights[:2], ids[:2], silu_and_mul)
+    with pytest.raises(ValueError, match="biases must be"):
+        fused_experts(x, w13, w2, weights, ids, silu_and_mul, b13=torch.zeros(4, 8, device=DEVICE))
+    with pytest.raises(TypeError, match="one dtype"):
+        fused_experts(x.half(), w13, w2, weights, ids, silu_and_mul)
+    with pytest.raises(ValueError, match=r"topk_ids must be \[tokens, k\]"):
+        moe_align(ids.flatten(), 4, 16)

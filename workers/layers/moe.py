@@ -1,0 +1,65 @@
+"""Routed experts: a router that picks each token's top-k experts, and the experts' gated MLPs.
+
+Tensor parallelism splits every expert's intermediate size across the ranks (each rank holds
+[E, 2I/tp, H] of gate|up and [E, H, I/tp] of down for all E experts), so each rank computes a
+partial sum for every token and one all-reduce, shared with whatever else the layer adds (a
+shared MLP), finishes it; the router is replicated. Expert parallelism is not built.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from workers.ops import act_and_mul, fused_experts_op, linear_op
+from workers.parallel import TPGroup, split_evenly
+
+
+class Router(nn.Module):
+    """The router's logits, x R^T in float32 (replicated on every rank)."""
+
+    def __init__(self, hidden: int, num_experts: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear_op(x, self.weight).float()
+
+
+class FusedMoE(nn.Module):
+    """Experts' weights stacked as [E, 2I, H] (gate rows, then up rows) and [E, H, I]. `forward`
+    takes the router's logits, keeps each token's `top_k` largest and weighs those experts by
+    the softmax over the k (Granite's and gpt-oss's rule, not a softmax over all experts), and
+    returns this rank's partial sum (all-reduce it)."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int, activation: str, tp: TPGroup,
+                 dtype: torch.dtype, device: torch.device, name: str = "") -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"{name}: experts per token must be 1 to {num_experts} (the experts), got {top_k}")
+        self.name, self.num_experts, self.top_k, self.hidden, self.intermediate = \
+            name, num_experts, top_k, hidden, intermediate
+        self.start, self.size = split_evenly(intermediate, tp, f"{name} expert intermediate size")
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.size, hidden, dtype=dtype, device=device),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.size, dtype=dtype, device=device),
+                               requires_grad=False)
+        self.act = act_and_mul(activation)
+
+    def full_shapes(self) -> dict[str, tuple[int, ...]]:
+        e, h, i = self.num_experts, self.hidden, self.intermediate
+        return {"w13": (e, 2 * i, h), "w2": (e, h, i)}
+
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard: object = None) -> None:
+        which = "w13" if param is self.w13 else "w2"
+        want = self.full_shapes()[which]
+        if tuple(full.shape) != want:
+            raise ValueError(f"{self.name}.{which}: checkpoint tensor has shape {tuple(full.shape)}, expected {want}")
+        if which == "w2":
+            param.data.copy_(full.narrow(2, self.start, self.size))
+            return
+        param.data[:, :self.size].copy_(full.narrow(1, self.start, self.size))
+        param.data[:, self.size:].copy_(full.narrow(1, self.intermediate + self.start, self.size))
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        top, ids = router_logits.topk(self.top_k, dim=-1)
+        return fused_experts_op(x, self.w13, self.w2, torch.softmax(top, dim=-1).to(x.dtype), ids, self.act)
