@@ -124,12 +124,12 @@ class AsyncLLM:
         self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len)
 
     # ---- the event loop's side -------------------------------------------------------------
-    def check(self, prompt, sampling_params: SamplingParams) -> tuple[str | None, list[int]]:
+    def check(self, prompt, sampling_params: SamplingParams, index: int = 0) -> tuple[str | None, list[int]]:
         """The input contract for one request (raises TypeError/ValueError naming the field)."""
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         self.inputs.params(sampling_params, -1)
-        return self.inputs.prompt(prompt, 0)
+        return self.inputs.prompt(prompt, index)
 
     async def generate(self, prompt, sampling_params: SamplingParams, request_id: str,
                        checked: tuple[str | None, list[int]] | None = None) -> AsyncIterator[RequestOutput]:

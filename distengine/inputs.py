@@ -71,7 +71,11 @@ class InputProcessor:
         if isinstance(p, str):
             if self.tokenizer is None:
                 raise ValueError(f"{field}: this model has no tokenizer: give prompts as {{'prompt_token_ids': [...]}}")
-            text, ids = p, self.token_ids(self.tokenizer(p)["input_ids"], field)
+            try:
+                encoded = self.tokenizer(p)["input_ids"]
+            except (TypeError, ValueError, UnicodeError) as e:  # e.g. a lone surrogate
+                raise ValueError(f"{field} cannot be tokenized (invalid text, e.g. a lone surrogate): {e}") from None
+            text, ids = p, self.token_ids(encoded, field)
         elif isinstance(p, dict):
             unknown = sorted(set(p) - set(PROMPT_KEYS), key=str)
             if unknown:

@@ -150,6 +150,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be a finite number, got {rp}.")
         if rp <= 0.0:
             raise ValueError(f"repetition_penalty must be greater than zero, got {rp}.")
+        if not 1e-30 <= rp <= 1e30:  # the sampler works in float32: 0 or inf there give NaN logits
+            raise ValueError(f"repetition_penalty must be in [1e-30, 1e30], got {rp}.")
         # temperature
         t = self.temperature
         if not _is_real(t):

@@ -167,6 +167,11 @@ class Scheduler:
                 i += 1
                 continue
             appended = self.manager.allocate_slots(req, n)
+            while appended is None and n > 1 and self.running[-1] is req:
+                # It would preempt itself (and start over, forever): a smaller prefill chunk
+                # first (sliding-window groups free what left the window between chunks).
+                n //= 2
+                appended = self.manager.allocate_slots(req, n)
             if appended is None:
                 self._preempt(self.running[-1])
                 continue  # retry this request (unless it was the one preempted)
@@ -186,6 +191,10 @@ class Scheduler:
                 hit, blocks = 0, None
                 n = min(req.num_tokens, budget)
                 appended = self.manager.allocate_slots(req, n)
+            while appended is None and n > 1 and not self.running:
+                # Nothing running will free blocks: a smaller prefill chunk, not a dead engine.
+                n //= 2
+                appended = self.manager.allocate_slots(req, n, hit, blocks)
             if appended is None:
                 break  # FCFS: nothing behind it jumps the queue
             self.waiting.popleft()

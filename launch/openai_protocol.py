@@ -78,6 +78,8 @@ class CompletionRequest(_Sampling):
             out.append(("best_of", "best_of > 1 is not supported"))
         if self.suffix:
             out.append(("suffix", "suffix is not supported"))
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            out.append(("logprobs", f"logprobs must be in [0, 20], got {self.logprobs}"))
         return out
 
     def prompts(self) -> list:

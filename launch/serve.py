@@ -132,8 +132,8 @@ def _uvicorn_server(config):
 
 
 # ---- the application ---------------------------------------------------------------------------
-STATUS_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 500: "InternalServerError",
-                503: "ServiceUnavailableError"}
+STATUS_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+                500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
@@ -197,6 +197,16 @@ def build_app(engine, served_names: list[str], api_key: str | None = None):
         got = f" (got {first['input']!r:.60})" if "input" in first and loc else ""
         return error(400, f"{field or 'body'}: {first.get('msg')}{got}", loc[0] if loc else None)
 
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return error(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception):
+        return error(500, f"internal error: {type(exc).__name__}: {exc}")
+
     if api_key:
         app.add_middleware(_ApiKeyCheck, api_key=api_key)
 
@@ -210,9 +220,13 @@ def build_app(engine, served_names: list[str], api_key: str | None = None):
     async def checked_requests(req, prompts: list, logprobs: int | None):
         """(sampling params, [(text, token ids)]) of a request, every prompt checked; without
         max_tokens a request may fill the context (the longest prompt decides)."""
-        max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
+        if not prompts:
+            raise ValueError("prompt: must not be empty")
+        max_tokens = getattr(req, "max_completion_tokens", None)
+        if max_tokens is None:
+            max_tokens = req.max_tokens
         sp = req.to_sampling_params(max_tokens, logprobs)
-        out = [await asyncio.to_thread(engine.check, p, sp) for p in prompts]
+        out = [await asyncio.to_thread(engine.check, p, sp, i) for i, p in enumerate(prompts)]
         longest = max(len(ids) for _, ids in out)
         if max_tokens is None:
             sp = req.to_sampling_params(max(1, engine.max_model_len - longest), logprobs)
@@ -233,8 +247,18 @@ def build_app(engine, served_names: list[str], api_key: str | None = None):
                 task.cancel()
                 return None
 
-    def token_text(t: int) -> str:
-        return tok.decode([t]) if tok is not None else str(t)
+    def finite(x):
+        return None if x is None else (-9999.0 if x != x or x < -9999.0 else min(x, 0.0))
+
+    def token_text(t: int, prev: int | None = None) -> str:
+        """The token's text as it reads after `prev` (a sentencepiece decoder drops the leading
+        space of a lone token: "▁with" would read "with", not " with")."""
+        if tok is None:
+            return str(t)
+        if prev is None:
+            return tok.decode([t])
+        head, both = tok.decode([prev]), tok.decode([prev, t])
+        return both[len(head):] if both.startswith(head) else tok.decode([t])
 
     async def run_all(checked: list, sp, rid: str):
         """(request id, deltas) pairs of every prompt, merged as they come; the client going away
@@ -271,22 +295,25 @@ def build_app(engine, served_names: list[str], api_key: str | None = None):
                 "total_tokens": prompt_tokens + completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
-    def completion_logprobs(token_ids: list[int], lps: list[dict], offset: int) -> dict:
-        tokens = [token_text(t) for t in token_ids]
+    def completion_logprobs(token_ids: list[int], lps: list[dict], offset: int, prev: int | None = None) -> dict:
+        prevs = [prev, *token_ids[:-1]]
+        tokens = [token_text(t, p) for t, p in zip(token_ids, prevs)]
         offsets, pos = [], offset
         for t in tokens:
             offsets.append(pos)
             pos += len(t)
-        return {"tokens": tokens, "token_logprobs": [d.get(t) for d, t in zip(lps, token_ids)],
-                "top_logprobs": [{token_text(k): v for k, v in d.items()} for d in lps], "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": [finite(d.get(t)) for d, t in zip(lps, token_ids)],
+                "top_logprobs": [{token_text(k, p): finite(v) for k, v in d.items()} for d, p in zip(lps, prevs)],
+                "text_offset": offsets}
 
-    def chat_logprobs(token_ids: list[int], lps: list[dict], top: int) -> dict:
+    def chat_logprobs(token_ids: list[int], lps: list[dict], top: int, prev: int | None = None) -> dict:
         content = []
-        for t, d in zip(token_ids, lps):
-            s = token_text(t)
+        for t, d, p in zip(token_ids, lps, [prev, *token_ids[:-1]]):
+            s = token_text(t, p)
             tops = sorted(d.items(), key=lambda kv: -kv[1])[:top]
-            content.append({"token": s, "logprob": d.get(t), "bytes": list(s.encode()),
-                            "top_logprobs": [{"token": token_text(k), "logprob": v, "bytes": list(token_text(k).encode())}
+            content.append({"token": s, "logprob": finite(d.get(t)), "bytes": list(s.encode()),
+                            "top_logprobs": [{"token": token_text(k, p), "logprob": finite(v),
+                                              "bytes": list(token_text(k, p).encode())}
                                              for k, v in tops]})
         return {"content": content}
 
@@ -343,6 +370,10 @@ def build_app(engine, served_names: list[str], api_key: str | None = None):
     async def stream(rid, created, name, checked, sp, chat, include_usage, top, prompt_tokens):
         kind = "chat.completion.chunk" if chat else "text_completion"
         n_out, cached, sent_role = 0, 0, set()
+        # The token before each choice's next one (none before the first: the text is the output's
+        # own), and text_offset over the whole choice, not one chunk.
+        last: dict[int, int | None] = dict.fromkeys(range(len(checked)))
+        offset = dict.fromkeys(range(len(checked)), 0)
 
         def chunk(choices: list, **extra) -> str:
             return "data: " + json.dumps({"id": rid, "object": kind, "created": created, "model": name,
@@ -354,8 +385,11 @@ def build_app(engine, served_names: list[str], api_key: str | None = None):
                 n_out += len(c.token_ids)
                 lp = None
                 if sp.logprobs is not None and c.token_ids:
-                    lp = chat_logprobs(c.token_ids, c.logprobs or [], top) if chat else \
-                        completion_logprobs(c.token_ids, c.logprobs or [], 0)
+                    lp = chat_logprobs(c.token_ids, c.logprobs or [], top, last[i]) if chat else \
+                        completion_logprobs(c.token_ids, c.logprobs or [], offset[i], last[i])
+                if c.token_ids:
+                    last[i] = c.token_ids[-1]
+                offset[i] += len(c.text)
                 if out.finished:
                     cached += out.num_cached_tokens
                 reason = c.finish_reason if out.finished else None
@@ -388,11 +422,16 @@ def build_app(engine, served_names: list[str], api_key: str | None = None):
     async def completions(req: CompletionRequest, raw: Request):
         return precheck(req) or await serve_request(req, raw, req.prompts(), req.logprobs, chat=False)
 
-    def chat_prompt(messages) -> str:
+    def chat_prompt(messages, add_generation_prompt: bool = True) -> str:
         if tok is None or not getattr(tok, "chat_template", None):
             raise ValueError("messages: this model has no chat template: use /v1/completions")
-        return tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages], tokenize=False,
-                                       add_generation_prompt=True)
+        try:
+            return tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages], tokenize=False,
+                                           add_generation_prompt=add_generation_prompt)
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - jinja2's TemplateError (raise_exception), ...
+            raise ValueError(f"messages: the chat template refused them: {e}") from None
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
@@ -400,7 +439,7 @@ def build_app(engine, served_names: list[str], api_key: str | None = None):
         if refused is not None:
             return refused
         try:
-            prompt = chat_prompt(req.messages)
+            prompt = await asyncio.to_thread(chat_prompt, req.messages, req.add_generation_prompt)
         except ValueError as e:
             return error(400, str(e), "messages")
         return await serve_request(req, raw, [prompt], req.num_logprobs(), chat=True)
@@ -442,13 +481,14 @@ def build_app(engine, served_names: list[str], api_key: str | None = None):
             return refused
         try:
             if req.messages:
-                ids = tok(chat_prompt(req.messages), add_special_tokens=req.add_special_tokens)["input_ids"]
+                text = await asyncio.to_thread(chat_prompt, req.messages)
             elif req.prompt is not None:
-                ids = tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+                text = req.prompt
             else:
                 return error(400, "give 'prompt' or 'messages'", "prompt")
-        except ValueError as e:
-            return error(400, str(e), param_of(str(e)))
+            ids = (await asyncio.to_thread(tok, text, add_special_tokens=req.add_special_tokens))["input_ids"]
+        except (ValueError, TypeError, UnicodeError) as e:
+            return error(400, str(e), "messages" if req.messages else "prompt")
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")

@@ -112,6 +112,24 @@ def test_hybrid_prefix_hits_preemption_and_chunking_give_transformers_tokens(tmp
         assert [o.outputs[0].token_ids for o in outs] == want[params.max_tokens], what
 
 
+def test_a_cache_too_small_for_a_prefill_chunk_is_refused_at_start(tmp_path_factory):
+    """The start-up check counts a request's peak: a sliding-window group holds a whole prefill
+    chunk's blocks beside its window. 100 blocks of 4 tokens hold one 128-token request at its
+    end (32 full blocks + 5 x 4 sliding), not its prefill in one 128-token chunk (6 x 32): refused
+    before anything runs, not a request that can never be scheduled. With 16-token chunks it fits
+    and runs to transformers' tokens."""
+    from workers.model_runner import KVCacheTooSmallError
+    hf, folder = _folder(tmp_path_factory, "gemma3")
+    kw = dict(device="cpu", dtype="float32", block_size=4, max_model_len=128, num_gpu_blocks_override=100)
+    with pytest.raises(KVCacheTooSmallError, match="needs 193 .* prefill chunks of up to 128 tokens"):
+        LLM(folder, **kw)
+    prompt = torch.randint(0, 300, (120,), generator=torch.Generator().manual_seed(5)).tolist()
+    with LLM(folder, max_num_batched_tokens=16, **kw) as llm:
+        out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                           use_tqdm=False)
+    assert out[0].outputs[0].token_ids == _hf_greedy(hf, prompt, 8)
+
+
 def test_bad_input_is_refused_cleanly(qwen3):
     _, folder = qwen3
     with LLM(folder, device="cpu", dtype="float32", block_size=4, max_model_len=64) as llm:

@@ -131,6 +131,18 @@ def test_chunked_prefill_and_preemption_give_the_same_outputs(mode):
         assert len(a.output_token_ids) == 20 and a.finish_reason == "length"
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_prompt_too_wide_for_the_pool_in_one_chunk_runs_in_smaller_ones(mode):
+    """120-token prompts in one chunk would need 30 blocks in the full group and 30 in the sliding
+    one (its chunk is written before anything leaves the window): more than the pool. The
+    scheduler shrinks the chunk (the window frees blocks between chunks) rather than waiting
+    forever or preempting the request in favour of itself; outputs as with a large pool."""
+    long = [[i % 11 + 1] * 3 + list(range(1, 118)) for i in range(3)]
+    base, _ = run(long, mode=mode)
+    tight, _ = run(long, num_blocks=45, mode=mode)
+    assert [r.output_token_ids for r in tight] == [r.output_token_ids for r in base]
+
+
 def test_overlapped_scheduling_gives_the_same_outputs():
     for kw in ({}, dict(budget=7), dict(num_blocks=40), dict(max_num_seqs=3)):
         sync, _ = run(PROMPTS, mode="sync", **kw)

@@ -25,7 +25,8 @@ pytest.importorskip("ray")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "test-key"
-TEMPLATE = "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}assistant :"
+TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'robot' %}{{ raise_exception('no robots here') }}{% endif %}"
+            "{{ m['role'] }} : {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}assistant :{% endif %}")
 
 
 def free_port() -> int:
@@ -249,6 +250,22 @@ ERRORS = [  # (what, path, body, raw body?, key, status, message part, param)
     ("n > 1", "/v1/completions", {"prompt": "x", "n": 2}, False, KEY, 400, "n=1", "n"),
     ("no messages", "/v1/chat/completions", {"messages": []}, False, KEY, 400, "messages", "messages"),
     ("an unknown model", "/v1/completions", {"prompt": "x", "model": "nope"}, False, KEY, 404, "does not exist", "model"),
+    ("a chat template that refuses the messages", "/v1/chat/completions",
+     {"messages": [{"role": "robot", "content": "x"}]}, False, KEY, 400, "chat template refused them: no robots here",
+     "messages"),
+    ("no prompt in the list", "/v1/completions", {"prompt": []}, False, KEY, 400, "must not be empty", "prompt"),
+    ("the second prompt empty", "/v1/completions", {"prompt": ["x", ""]}, False, KEY, 400, "prompts[1]", "prompt"),
+    ("a prompt that cannot be tokenized", "/v1/completions", '{"prompt": "\\ud800"}', True, KEY, 400,
+     "cannot be tokenized", "prompt"),
+    ("logprobs past 20", "/v1/completions", {"prompt": "x", "logprobs": 21}, False, KEY, 400,
+     "logprobs must be in [0, 20]", "logprobs"),
+    ("a repetition penalty float32 cannot hold", "/v1/completions", {"prompt": "x", "repetition_penalty": 1e-300},
+     False, KEY, 400, "repetition_penalty must be in [1e-30, 1e30]", "repetition_penalty"),
+    ("max_completion_tokens 0", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, False, KEY, 400, "max_tokens",
+     "max_tokens"),
+    ("an unknown route", "/v1/nothing", {}, False, KEY, 404, "Not Found", None),
+    ("a route without POST", "/v1/models", {}, False, KEY, 405, "Method Not Allowed", None),
     ("no API key", "/v1/completions", {"prompt": "x"}, False, None, 401, "API key", None),
     ("a wrong API key", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, False, "nope", 401,
      "API key", None),
@@ -265,6 +282,36 @@ def test_errors_have_their_status_and_body_and_the_server_serves_on(server, refe
     ok = server.client.completions.create(model=server_model(server.client), prompt="what is water", max_tokens=8,
                                           temperature=0, extra_body={"ignore_eos": True})
     assert ok.choices[0].text == reference[0]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_logprob_tokens_spell_the_text(server, stream):
+    """Each token's string as it reads in the text (a sentencepiece token keeps its leading space),
+    so the tokens join to the text and text_offset points into it, across stream chunks too."""
+    body = {"prompt": "what is water", "max_tokens": 8, "temperature": 0, "logprobs": 1, "ignore_eos": True,
+            "stream": stream}
+    r = server.post("/v1/completions", body, key=KEY)
+    assert r.status_code == 200, r.text
+    if stream:
+        parts = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        choices = [p["choices"][0] for p in parts if p["choices"]]
+        text = "".join(c["text"] for c in choices)
+        tokens = [t for c in choices for t in c["logprobs"]["tokens"]]
+        offsets = [o for c in choices for o in c["logprobs"]["text_offset"]]
+    else:
+        choice = r.json()["choices"][0]
+        text, tokens, offsets = choice["text"], choice["logprobs"]["tokens"], choice["logprobs"]["text_offset"]
+    assert len(tokens) == 8 and "".join(tokens) == text and " " in text
+    assert [text[o:o + len(t)] for o, t in zip(offsets, tokens)] == tokens
+
+
+def test_chat_without_the_generation_prompt(server):
+    def prompt_tokens(**extra) -> int:
+        r = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
+                                                 **extra}, key=KEY)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+    assert prompt_tokens(add_generation_prompt=False) < prompt_tokens()
 
 
 def test_a_client_that_disconnects_is_aborted(server):

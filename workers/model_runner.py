@@ -147,13 +147,20 @@ class ModelRunner:
         return num_blocks
 
     def check_fits(self, num_blocks: int) -> None:
-        need = sum(self.plan.blocks_per_group(self.plan.max_model_len)) + 1  # + the null block
-        if num_blocks >= need:
+        """One request of max_model_len must fit alone, at its peak: while a prefill chunk of
+        max_num_batched_tokens tokens is written, a sliding-window group holds the chunk's blocks
+        besides its window's (else the scheduler could never run it)."""
+        chunk = min(self.max_num_batched_tokens, self.plan.max_model_len)
+
+        def need(length: int) -> int:
+            return sum(self.plan.peak_blocks_per_group(length, chunk)) + 1  # + the null block
+
+        if num_blocks >= need(self.plan.max_model_len):
             return
         fits, lo, hi = 0, 1, self.plan.max_model_len
         while lo <= hi:  # the largest length whose request fits
             mid = (lo + hi) // 2
-            if sum(self.plan.blocks_per_group(mid)) + 1 <= num_blocks:
+            if need(mid) <= num_blocks:
                 fits, lo = mid, mid + 1
             else:
                 hi = mid - 1
@@ -162,10 +169,12 @@ class ModelRunner:
                       "(tensor_parallel_size)")
         else:
             advice = "raise kv_cache_memory_bytes (or VLLM_CPU_KVCACHE_SPACE, in GiB)"
+        total = need(self.plan.max_model_len)
         raise KVCacheTooSmallError(
             f"the KV cache holds {num_blocks} blocks ({num_blocks * self.plan.block_bytes / 2**30:.3f} GiB per rank) "
-            f"but one request of max_model_len={self.plan.max_model_len} needs {need} "
-            f"({need * self.plan.block_bytes / 2**30:.3f} GiB): {advice}, or set max_model_len <= {fits}")
+            f"but one request of max_model_len={self.plan.max_model_len} needs {total} "
+            f"({total * self.plan.block_bytes / 2**30:.3f} GiB) with prefill chunks of up to {chunk} tokens: "
+            f"{advice}, lower max_num_batched_tokens, or set max_model_len <= {fits}")
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.check_fits(num_blocks)

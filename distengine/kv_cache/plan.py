@@ -77,6 +77,11 @@ class KVCachePlan:
         """Real blocks one request of `num_tokens` computed tokens holds, per group."""
         return [g.spec.blocks_held(num_tokens, num_encoder_tokens) for g in self.groups]
 
+    def peak_blocks_per_group(self, num_tokens: int, chunk: int) -> list[int]:
+        """The most real blocks one request of up to `num_tokens` tokens holds at once, per group,
+        its prompt computed in chunks of up to `chunk` tokens."""
+        return [g.spec.peak_blocks(num_tokens, chunk) for g in self.groups]
+
     def bytes_per_request(self, num_tokens: int) -> int:
         return sum(self.blocks_per_group(num_tokens)) * self.block_bytes
 

@@ -44,6 +44,12 @@ class KVCacheSpec:
             return 0
         return (num_tokens - 1) // self.block_size + 1 - self.first_needed_block(num_tokens)
 
+    def peak_blocks(self, max_len: int, chunk: int) -> int:
+        """The most real blocks a request of up to `max_len` tokens holds at once when its prompt
+        is computed in chunks of up to `chunk` tokens (a chunk's K/V are written before anything
+        leaves a window)."""
+        return self.blocks_held(max_len)
+
     def describe(self) -> str:
         return self.kind
 
@@ -74,6 +80,10 @@ class SlidingWindowSpec(KVCacheSpec):
     def next_skip_at(self, num_skipped: int) -> float:
         return (num_skipped + 1) * self.block_size + self.window - 1
 
+    def peak_blocks(self, max_len: int, chunk: int) -> int:
+        # The chunk's blocks and those its first query still reads (vLLM's bound).
+        return min(cdiv(max_len, self.block_size), cdiv(self.window - 1 + min(chunk, max_len), self.block_size) + 1)
+
     def describe(self) -> str:
         return f"sliding_window(window={self.window})"
 
@@ -94,6 +104,9 @@ class ChunkedLocalAttentionSpec(KVCacheSpec):
 
     def next_skip_at(self, num_skipped: int) -> float:
         return cdiv((num_skipped + 1) * self.block_size, self.chunk) * self.chunk
+
+    def peak_blocks(self, max_len: int, chunk: int) -> int:
+        return min(cdiv(max_len, self.block_size), cdiv(self.chunk - 1 + min(chunk, max_len), self.block_size) + 1)
 
     def describe(self) -> str:
         return f"chunked_local(chunk={self.chunk})"
