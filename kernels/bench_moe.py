@@ -8,19 +8,21 @@ chosen experts (transformers' eager experts: gather, two products, index_add).
 
 Routing is uniform (random logits, top-k, softmax over the k), as random router weights give.
 Ours runs inside a CUDA graph (as the engine's decode does) and eagerly; the torch loop eagerly
-(its shapes depend on the routing). `triton.testing.do_bench` medians, cold L2.
+(its shapes depend on the routing). The alignment on its own (pairs sorted by expert, in CUDA
+graphs): the one-program Triton kernel against the torch ops. `triton.testing.do_bench` medians,
+cold L2.
 """
 from __future__ import annotations
 
 import torch
 
 from kernels.activation import silu_and_mul
-from kernels.fused_moe import fused_experts
+from kernels.fused_moe import ALIGN_KERNEL_MAX_PAIRS, fused_experts, moe_align_kernel, moe_align_torch, moe_config
 
 # name: (experts, per token, hidden, expert intermediate)
 SHAPES = {"granite-4.0-h-tiny": (64, 6, 1536, 512), "granite-4.0-h-small": (72, 10, 4096, 768),
           "gpt-oss-20b (bf16)": (32, 4, 2880, 2880)}
-TOKENS = (1, 8, 32, 128, 1024)
+TOKENS = (1, 8, 32, 128, 256, 1024)
 
 
 def torch_loop(x, w13, w2, weights, ids):
@@ -34,6 +36,18 @@ def torch_loop(x, w13, w2, weights, ids):
     return out
 
 
+def graph_us(fn) -> float:
+    from triton.testing import do_bench
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    return do_bench(graph.replay) * 1e3
+
+
 def main() -> int:
     from triton.testing import do_bench
 
@@ -41,7 +55,7 @@ def main() -> int:
     bw, rate = copy_bandwidth("cuda"), matmul_rate("cuda")
     print(f"copy {bw / 1e12:.2f} TB/s, bf16 products {rate / 1e12:.0f} TFLOP/s (same run)")
     print(f"{'shape':20} {'tokens':>6} {'experts':>7} {'MB read':>8} {'roofline':>9} {'graph':>8} {'eager':>8} "
-          f"{'torch':>8} {'x roof':>6} {'vs torch':>8}   (us)")
+          f"{'torch':>8} {'x roof':>6} {'vs torch':>8} {'align':>6} {'torch':>6}   (us)")
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, (e, k, h, inter) in SHAPES.items():
         w13 = torch.randn(e, 2 * inter, h, device="cuda", dtype=torch.bfloat16, generator=g) * h ** -0.5
@@ -57,19 +71,15 @@ def main() -> int:
             used = ids.unique().numel()
             nbytes = used * 3 * inter * h * 2 + 2 * t * h * 2
             roof = max(nbytes / bw, 2 * t * k * 3 * inter * h / rate) * 1e6
-            stream = torch.cuda.Stream()
-            with torch.cuda.stream(stream):
-                run()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                run()
-            t_graph = do_bench(graph.replay) * 1e3
+            t_graph = graph_us(run)
             t_eager = do_bench(run) * 1e3
             t_loop = do_bench(lambda: torch_loop(x, w13, w2, weights, ids)) * 1e3
+            bm = moe_config(t * k, e)["BLOCK_M"]
+            a_torch = graph_us(lambda: moe_align_torch(ids, e, bm))
+            a_kernel = graph_us(lambda: moe_align_kernel(ids, e, bm)) if t * k <= ALIGN_KERNEL_MAX_PAIRS \
+                else float("nan")
             print(f"{name:20} {t:6} {used:7} {nbytes / 1e6:8.1f} {roof:9.1f} {t_graph:8.1f} {t_eager:8.1f} "
-                  f"{t_loop:8.1f} {t_graph / roof:6.2f} {t_loop / t_graph:7.1f}x")
-            del graph
+                  f"{t_loop:8.1f} {t_graph / roof:6.2f} {t_loop / t_graph:7.1f}x {a_kernel:6.1f} {a_torch:6.1f}")
         del w13, w2
         torch.cuda.empty_cache()
     return 0

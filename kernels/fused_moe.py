@@ -8,9 +8,9 @@ pairs are sorted by expert and each expert's run padded to whole BLOCK_M tiles (
 so a program multiplies one tile of rows that all use one expert's weights, and reads only the
 weights of experts that some token chose. The first launch gives [T*k, 2I] (gate | up), the
 activation kernel [T*k, I], the second launch [T*k, H] already scaled by the routing weights,
-and a sum over k gives [T, H]. Every shape is fixed by T, k, E and BLOCK_M (the sort, counts
-and block table are torch ops of static shape), so a decode step with experts is captured in a
-CUDA graph like any other. `fused_experts_ref` is the plain loop over experts (the engine's path
+and a sum over k gives [T, H]. Every shape is fixed by T, k, E and BLOCK_M (the alignment is one
+Triton program for a decode step's few pairs, torch ops of static shape beyond), so a decode
+step with experts is captured in a CUDA graph like any other. `fused_experts_ref` is the plain loop over experts (the engine's path
 on CPU, and the tests' oracle).
 """
 from __future__ import annotations
@@ -22,19 +22,38 @@ import triton.language as tl
 from kernels.paged_attention import _interpreter_bf16
 from kernels.pdl import pdl_args, pdl_wait
 
-__all__ = ["fused_experts", "fused_experts_ref", "moe_align", "moe_config"]
+__all__ = ["fused_experts", "fused_experts_ref", "moe_align", "moe_align_kernel", "moe_align_torch", "moe_config"]
+
+
+ALIGN_KERNEL_MAX_PAIRS = 2048  # one program walks the pairs: beyond, the torch ops are faster
+
+
+def align_size(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Rows of `moe_align`'s output: every used expert's run padded to whole tiles, at most
+    min(E, pairs) experts used; fixed by the shapes alone (a CUDA graph's buffers)."""
+    return triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m) * block_m
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """topk_ids [T, k] -> (rows, block_expert).
 
-    rows [P]: the flat (token, j) indices t*k + j sorted by expert, each expert's run padded to a
-    multiple of `block_m` with T*k (no row); P = round_up(T*k + E*(block_m - 1), block_m), the
-    most any routing needs. block_expert [P / block_m]: the expert of each tile, -1 past the
-    last used tile."""
+    rows [P]: the flat (token, j) indices t*k + j sorted by expert (in token order within one),
+    each expert's run padded to a multiple of `block_m` with T*k (no row); P = `align_size`, the
+    most any routing needs. block_expert [P / block_m]: the expert of each tile, -1 past the last
+    used tile. On a GPU, up to ALIGN_KERNEL_MAX_PAIRS pairs (a
+    decode step's) in one Triton program instead of ~10 torch kernels."""
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be [tokens, k], got {tuple(topk_ids.shape)}")
+    n = topk_ids.numel()
+    if topk_ids.is_cuda and 0 < n <= ALIGN_KERNEL_MAX_PAIRS:
+        return moe_align_kernel(topk_ids, num_experts, block_m)
+    return moe_align_torch(topk_ids, num_experts, block_m)
+
+
+def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_align` in torch ops of static shape (any device)."""
     dev = topk_ids.device
+    size = align_size(topk_ids.numel(), num_experts, block_m)
     flat = topk_ids.reshape(-1).to(torch.int64)
     n = flat.numel()
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
@@ -43,12 +62,59 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     order = torch.sort(flat, stable=True).indices  # pairs grouped by expert, in token order within one
     expert_of = flat[order]
     rank = torch.arange(n, device=dev) - (torch.cumsum(counts, 0) - counts)[expert_of]
-    size = triton.cdiv(n + num_experts * (block_m - 1), block_m) * block_m
     rows = torch.full((size,), n, dtype=torch.int32, device=dev)
     rows[(ends - padded)[expert_of] + rank] = order.to(torch.int32)
     starts = torch.arange(0, size, block_m, device=dev)
     block_expert = torch.searchsorted(ends, starts, right=True)
     block_expert = torch.where(starts < ends[-1], block_expert, -1).to(torch.int32)
+    return rows, block_expert
+
+
+@triton.jit(do_not_specialize=["n", "size"])
+def _moe_align_kernel(ids_ptr, rows_ptr, bexp_ptr, n, size, E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """One program: count the pairs per expert, pad each run to whole tiles, fill `rows` with the
+    sentinel n, then place each pair at its expert's start + the pairs of that expert before it
+    (a cumulative sum over a [CHUNK, E] one-hot per chunk of pairs), and give each tile its expert."""
+    pdl_wait(PDL)
+    experts = tl.arange(0, E_P2)
+    counts = tl.zeros([E_P2], tl.int32)
+    for start in range(0, n, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1).to(tl.int32)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    total = tl.sum(padded, 0)
+    for start in range(0, size, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        tl.store(rows_ptr + offs, tl.zeros([CHUNK], tl.int32) + n, mask=offs < size)
+    tl.debug_barrier()  # the sentinels are in before any pair overwrites its slot
+    placed = ends - padded  # the next free slot of each expert
+    for start in range(0, n, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1).to(tl.int32)
+        hot = (ids[:, None] == experts[None, :]).to(tl.int32)
+        before = tl.cumsum(hot, 0) - hot  # same-expert pairs earlier in this chunk
+        slot = tl.sum(hot * (before + placed[None, :]), 1)
+        tl.store(rows_ptr + slot, offs, mask=offs < n)
+        placed += tl.sum(hot, 0)
+    for start in range(0, size // BLOCK_M, CHUNK):
+        tiles = start + tl.arange(0, CHUNK)
+        first = tiles * BLOCK_M
+        expert = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), 1)
+        tl.store(bexp_ptr + tiles, tl.where(first < total, expert, -1), mask=tiles < size // BLOCK_M)
+
+
+def moe_align_kernel(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_align` in one Triton program (any device; the engine uses it on GPUs for small batches)."""
+    n = topk_ids.numel()
+    size = align_size(n, num_experts, block_m)
+    ids = topk_ids.reshape(-1)
+    rows = torch.empty(size, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(size // block_m, dtype=torch.int32, device=ids.device)
+    e_p2 = triton.next_power_of_2(num_experts)
+    _moe_align_kernel[(1,)](ids, rows, block_expert, n, size, E_P2=e_p2, BLOCK_M=block_m,
+                            CHUNK=max(16, min(128, 8192 // e_p2)), num_warps=8, **pdl_args(ids))
     return rows, block_expert
 
 
@@ -90,11 +156,16 @@ def _moe_gemm_kernel(a_ptr, w_ptr, b_ptr, c_ptr, rw_ptr, rows_ptr, bexp_ptr, N, 
 
 
 def moe_config(num_pairs: int, num_experts: int) -> dict:
-    """Tiles: 16-row tiles while the (token, j) pairs are few per expert (decode: every tile is
-    mostly padding, and a larger one would only multiply zeros), 64 rows once the experts get
-    enough rows each (prefill)."""
-    if num_pairs <= 4 * num_experts:
+    """Tiles by the rows each expert gets (pairs / E), from an H200 sweep in CUDA graphs at the
+    shapes of kernels/bench_moe.py, 1-256 tokens (tests/gpu/sweep_moe.py): up to 12 rows 16-row
+    tiles (a decode step's tiles are mostly padding; a larger one would only multiply zeros), to
+    24 rows 32-row tiles, beyond 64 (within 3% of each point's best tiles, where the rule of
+    pairs <= 4 E before lost up to 8%)."""
+    rows = num_pairs / num_experts
+    if rows <= 12:
         return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+    if rows <= 24:
+        return {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
     return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
 
 
@@ -123,6 +194,9 @@ def _check(x, w13, w2, topk_weights, topk_ids, b13, b2) -> None:
                          f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
     if b13 is not None and tuple(b13.shape) != (e, two_i) or b2 is not None and tuple(b2.shape) != (e, h):
         raise ValueError(f"biases must be [{e}, {two_i}] and [{e}, {h}]")
+    for name, t in (("w13", w13), ("w2", w2), ("b13", b13), ("b2", b2)):
+        if t is not None and t.stride(-1) != 1:
+            raise ValueError(f"{name} needs contiguous rows (last stride 1), got strides {t.stride()}")
     if not (x.dtype == w13.dtype == w2.dtype):
         raise TypeError(f"x and the expert weights need one dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kernels.activation import silu_and_mul, silu_and_mul_ref
-from kernels.fused_moe import _grouped_gemm, fused_experts, fused_experts_ref, moe_align, moe_config
+from kernels.fused_moe import (_grouped_gemm, fused_experts, fused_experts_ref, moe_align, moe_align_kernel,
+                               moe_align_torch, moe_config)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
@@ -49,13 +50,18 @@ def expert_weights(e: int, inter: int, h: int, dtype: torch.dtype, seed: int):
     return w13, w2
 
 
-@pytest.mark.parametrize("t,e,k", [(1, 8, 2), (5, 6, 3), (40, 4, 2), (3, 16, 1)])
+@pytest.mark.parametrize("impl", [moe_align_torch, moe_align_kernel], ids=["torch", "triton"])
+@pytest.mark.parametrize("t,e,k", [(1, 8, 2), (5, 6, 3), (40, 4, 2), (3, 16, 1), (70, 128, 4), (9, 100, 8)])
 @pytest.mark.parametrize("block_m", [1, 4, 16])
-def test_moe_align_groups_every_pair_once_by_expert(t, e, k, block_m):
+def test_moe_align_groups_every_pair_once_by_expert(impl, t, e, k, block_m):
+    """Both implementations (one Triton program for a decode step's pairs, torch ops beyond),
+    each against the contract, and the two equal."""
     _, ids = routing(t, e, k, seed=t * 100 + e, skip=(e - 1,))
-    rows, block_expert = moe_align(ids, e, block_m)
+    rows, block_expert = impl(ids, e, block_m)
+    want = moe_align_torch(ids, e, block_m)
+    assert torch.equal(rows, want[0]) and torch.equal(block_expert, want[1])
     n = t * k
-    assert rows.numel() == -(-(n + e * (block_m - 1)) // block_m) * block_m
+    assert rows.numel() == -(-(n + min(n, e) * (block_m - 1)) // block_m) * block_m
     assert block_expert.numel() == rows.numel() // block_m
     real = rows[rows < n]
     assert sorted(real.tolist()) == list(range(n)), "every (token, j) pair exactly once"
@@ -81,7 +87,8 @@ def test_moe_align_groups_every_pair_once_by_expert(t, e, k, block_m):
     (1, 8, 2, 64, 32, SMALL),  # a decode step: every tile mostly padding
     (7, 6, 3, 40, 24, SMALL),  # ragged H and I: masked columns and a partial K step
     (37, 4, 2, 64, 48, LARGE),  # 64-row tiles, experts with many rows
-    (9, 5, 2, 32, 16, None),  # the default tile rule
+    (9, 5, 2, 32, 16, None),  # the default tile rule: 16-row tiles
+    (40, 3, 2, 48, 40, None),  # ... and its 64-row tiles (27 rows per expert)
 ])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_fused_experts_against_a_float64_loop(dtype, t, e, k, h, inter, cfg, bias):
@@ -123,7 +130,7 @@ def test_grouped_gemm_writes_each_pair_row_once_and_nothing_else(a_row_div, rout
 
 
 def test_moe_config_rule_and_empty_batch():
-    assert moe_config(8, 64)["BLOCK_M"] == 16 and moe_config(4096, 64)["BLOCK_M"] == 64
+    assert [moe_config(pairs, 64)["BLOCK_M"] for pairs in (6, 768, 769, 1536, 1537)] == [16, 16, 32, 32, 64]
     w13, w2 = expert_weights(4, 8, 16, torch.float32, seed=0)
     x = torch.zeros(0, 16, device=DEVICE)
     ids = torch.zeros(0, 2, dtype=torch.int64, device=DEVICE)
@@ -146,3 +153,24 @@ def test_fused_experts_bad_arguments():
         fused_experts(x.half(), w13, w2, weights, ids, silu_and_mul)
     with pytest.raises(ValueError, match=r"topk_ids must be \[tokens, k\]"):
         moe_align(ids.flatten(), 4, 16)
+    with pytest.raises(ValueError, match="w13 needs contiguous rows"):  # a transposed [E, H, 2I] layout
+        fused_experts(x, w13.transpose(1, 2).contiguous().transpose(1, 2), w2, weights, ids, silu_and_mul)
+
+
+def test_the_layer_through_the_kernel_equals_its_reference():
+    """`FusedMoE` as the engine runs it on a GPU (the Triton kernels, here under the interpreter)
+    and on CPU (the torch loop): the same routing (top-k, softmax over the k) and the same sums."""
+    from workers.layers.moe import FusedMoE
+    from workers.parallel import TPGroup
+    layer = FusedMoE(8, 3, 32, 24, "silu", TPGroup(), torch.float32, torch.device(DEVICE), "experts")
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        layer.w13.copy_(torch.randn(layer.w13.shape, generator=g) * 0.2)
+        layer.w2.copy_(torch.randn(layer.w2.shape, generator=g) * 0.2)
+    x = torch.randn(11, 32, generator=g).to(DEVICE)
+    logits = torch.randn(11, 8, generator=g).to(DEVICE)
+    top, ids = logits.topk(3, dim=-1)
+    want = oracle(x, layer.w13, layer.w2, torch.softmax(top, dim=-1), ids)
+    got = layer(x, logits)
+    assert rel_err(got, want) < 1e-5
+    assert rel_err(fused_experts(x, layer.w13, layer.w2, torch.softmax(top, dim=-1), ids, silu_and_mul), want) < 1e-5

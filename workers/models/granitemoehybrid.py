@@ -73,8 +73,9 @@ class GraniteMoE(nn.Module):
 
 
 class GraniteMoeHybridDecoderLayer(nn.Module):
-    """Pre-norm Mamba-2 or attention, then the pre-norm shared MLP; each output scaled by the
-    residual multiplier before the (fused) residual add."""
+    """Pre-norm Mamba-2 or attention, then the pre-norm shared MLP (with the routed experts beside
+    it, their sums added before one all-reduce); each output scaled by the residual multiplier
+    before the (fused) residual add."""
 
     def __init__(self, model: MambaHybridForCausalLM, config, i: int, kind: str, tp, dtype, device,
                  rope_cache) -> None:
@@ -163,7 +164,8 @@ class GraniteMoeHybridForCausalLM(MambaHybridForCausalLM):
         return out
 
     def missing_weights(self, loaded: set[str]) -> list[str]:
-        return sorted(set(super().expected_checkpoint_shapes()) - {our_name(n) for n in loaded})
+        missing = set(super().expected_checkpoint_shapes()) - {our_name(n) for n in loaded}
+        return sorted(published_name(n) for n in missing)  # as a user finds them in the checkpoint
 
 
 # Our parameter (suffix) -> its checkpoint spellings: the published one, then transformers 5's.
@@ -172,6 +174,13 @@ EXPERT_NAMES = {
     ".block_sparse_moe.experts.w2": (".block_sparse_moe.output_linear.weight", ".block_sparse_moe.experts.down_proj"),
     ".block_sparse_moe.router.weight": (".block_sparse_moe.router.layer.weight", ".block_sparse_moe.router.weight"),
 }
+
+
+def published_name(name: str) -> str:
+    for ours, spellings in EXPERT_NAMES.items():
+        if name.endswith(ours):
+            return name[: -len(ours)] + spellings[0]
+    return name
 
 
 def our_name(name: str) -> str:
