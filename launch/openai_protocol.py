@@ -28,7 +28,7 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2 ** 63), lt=2 ** 63)  # vLLM's range (a C long)
     user: str | None = None
     # vLLM's extras
     top_k: int | None = None
@@ -75,7 +75,7 @@ class CompletionRequest(_Sampling):
         if self.echo:
             out.append(("echo", "echo is not supported"))
         if self.best_of not in (None, 1):
-            out.append(("best_of", "best_of > 1 is not supported"))
+            out.append(("best_of", f"best_of must be 1 (only n=1 is supported), got {self.best_of}"))
         if self.suffix:
             out.append(("suffix", "suffix is not supported"))
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:

@@ -18,6 +18,7 @@ EXPECTED_KINDS = {
     "gemma-3-27b": {SLIDING: 52, FULL: 10}, "command-a": {SLIDING: 48, FULL: 16},
     "gpt-oss-20b": {SLIDING: 12, FULL: 12}, "gpt-oss-120b": {SLIDING: 18, FULL: 18},
     "llama-4-scout": {CHUNKED: 36, FULL: 12}, "jamba-mini": {MAMBA: 28, FULL: 4}, "bamba-9b": {MAMBA: 29, FULL: 3},
+    "granite-4.0-h-tiny": {MAMBA: 36, FULL: 4},
 }
 
 

@@ -261,6 +261,8 @@ ERRORS = [  # (what, path, body, raw body?, key, status, message part, param)
      "logprobs must be in [0, 20]", "logprobs"),
     ("a repetition penalty float32 cannot hold", "/v1/completions", {"prompt": "x", "repetition_penalty": 1e-300},
      False, KEY, 400, "repetition_penalty must be in [1e-30, 1e30]", "repetition_penalty"),
+    ("a seed past 64 bits", "/v1/completions", {"prompt": "x", "seed": 2 ** 64}, False, KEY, 400, "seed", "seed"),
+    ("best_of 0", "/v1/completions", {"prompt": "x", "best_of": 0}, False, KEY, 400, "best_of must be 1", "best_of"),
     ("max_completion_tokens 0", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, False, KEY, 400, "max_tokens",
      "max_tokens"),
