@@ -10,8 +10,8 @@ weights of experts that some token chose. The first launch gives [T*k, 2I] (gate
 activation kernel [T*k, I], the second launch [T*k, H] already scaled by the routing weights,
 and a sum over k gives [T, H]. Every shape is fixed by T, k, E and BLOCK_M (the alignment is one
 Triton program for a decode step's few pairs, torch ops of static shape beyond), so a decode
-step with experts is captured in a CUDA graph like any other. `fused_experts_ref` is the plain loop over experts (the engine's path
-on CPU, and the tests' oracle).
+step with experts is captured in a CUDA graph like any other. `fused_experts_ref` is the plain
+loop over experts (the engine's path on CPU, and the tests' oracle).
 """
 from __future__ import annotations
 
@@ -71,7 +71,8 @@ def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
 
 
 @triton.jit(do_not_specialize=["n", "size"])
-def _moe_align_kernel(ids_ptr, rows_ptr, bexp_ptr, n, size, E_P2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+def _moe_align_kernel(ids_ptr, rows_ptr, bexp_ptr, n, size, E_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+                      CHUNK: tl.constexpr, PDL: tl.constexpr):
     """One program: count the pairs per expert, pad each run to whole tiles, fill `rows` with the
     sentinel n, then place each pair at its expert's start + the pairs of that expert before it
     (a cumulative sum over a [CHUNK, E] one-hot per chunk of pairs), and give each tile its expert."""

@@ -49,8 +49,8 @@ SHAPES = {
                                                   num_local_experts=8, num_experts_per_tok=2, num_attention_heads=4,
                                                   num_key_value_heads=2, mamba_n_heads=8, mamba_d_head=16,
                                                   mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16,
-                                                  position_embedding_type="nope", vocab_size=512, tie_word_embeddings=True,
-                                                  max_position_embeddings=4096)),
+                                                  position_embedding_type="nope", vocab_size=512,
+                                                  tie_word_embeddings=True, max_position_embeddings=4096)),
 }
 
 

@@ -169,10 +169,11 @@ class GraniteMoeHybridForCausalLM(MambaHybridForCausalLM):
 
 
 # Our parameter (suffix) -> its checkpoint spellings: the published one, then transformers 5's.
+_MOE = ".block_sparse_moe."
 EXPERT_NAMES = {
-    ".block_sparse_moe.experts.w13": (".block_sparse_moe.input_linear.weight", ".block_sparse_moe.experts.gate_up_proj"),
-    ".block_sparse_moe.experts.w2": (".block_sparse_moe.output_linear.weight", ".block_sparse_moe.experts.down_proj"),
-    ".block_sparse_moe.router.weight": (".block_sparse_moe.router.layer.weight", ".block_sparse_moe.router.weight"),
+    f"{_MOE}experts.w13": (f"{_MOE}input_linear.weight", f"{_MOE}experts.gate_up_proj"),
+    f"{_MOE}experts.w2": (f"{_MOE}output_linear.weight", f"{_MOE}experts.down_proj"),
+    f"{_MOE}router.weight": (f"{_MOE}router.layer.weight", f"{_MOE}router.weight"),
 }
 
 
