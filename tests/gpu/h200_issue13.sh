@@ -6,17 +6,8 @@
 #   bash tests/gpu/h200_issue13.sh bench   # one H200 (~5 min): kernel bench, Bamba-9B TP=1 + HF generate
 #   bash tests/gpu/h200_issue13.sh two     # two H200s (~4 min): TP=2 graph tests, Bamba-9B TP=2
 # Logs and JSON go to $OUT; a short table is printed last. Each step has its own time limit.
-set -uo pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+source "$(dirname "$0")/preamble.sh"
 mode=${1:-tests}
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__,
-"transformers", transformers.__version__, "gpus", torch.cuda.device_count())'
-cli="python3 -m launch.cli"
-io="--input-len 512 --output-len 128 --num-iters 2 --num-iters-warmup 1"
-summary() { echo "== $1"; tail -n "${2:-20}" "$OUT/$3"; }
 
 if [ "$mode" = tests ]; then
   timeout 140 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_mamba.py tests/test_models.py \
