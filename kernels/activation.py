@@ -16,13 +16,15 @@ import triton.language as tl
 
 from kernels.pdl import pdl_args, pdl_wait
 
-__all__ = ["silu_and_mul", "silu_and_mul_ref", "gelu_tanh_and_mul", "gelu_tanh_and_mul_ref"]
+__all__ = ["silu_and_mul", "silu_and_mul_ref", "gelu_tanh_and_mul", "gelu_tanh_and_mul_ref", "swiglu_oai_and_mul",
+           "swiglu_oai_and_mul_ref"]
 
-_SILU, _GELU_TANH = 0, 1
+_SILU, _GELU_TANH, _SWIGLU_OAI = 0, 1, 2
 
 
 @triton.jit
-def _act_and_mul_kernel(x_ptr, out_ptr, inter, sx, so, ACT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _act_and_mul_kernel(x_ptr, out_ptr, inter, sx, so, alpha, limit, ACT: tl.constexpr, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -31,6 +33,10 @@ def _act_and_mul_kernel(x_ptr, out_ptr, inter, sx, so, ACT: tl.constexpr, BLOCK:
     b = tl.load(x_ptr + t * sx + inter + cols, mask=m, other=0.0).to(tl.float32)
     if ACT == 0:
         y = a / (1.0 + tl.exp(-a))
+    elif ACT == 2:  # gpt-oss: both halves clamped, gate * sigmoid(alpha * gate) * (up + 1)
+        a = tl.minimum(a, limit)
+        b = tl.minimum(tl.maximum(b, -limit), limit) + 1.0
+        y = a / (1.0 + tl.exp(-alpha * a))
     else:
         z = 0.7978845608028654 * (a + 0.044715 * a * a * a)  # sqrt(2/pi) * (a + c a^3)
         th = 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)  # tanh(z), saturates cleanly to +-1
@@ -38,7 +44,7 @@ def _act_and_mul_kernel(x_ptr, out_ptr, inter, sx, so, ACT: tl.constexpr, BLOCK:
     tl.store(out_ptr + t * so + cols, (y * b).to(out_ptr.dtype.element_ty), mask=m)
 
 
-def _launch(x: torch.Tensor, act: int) -> torch.Tensor:
+def _launch(x: torch.Tensor, act: int, alpha: float = 0.0, limit: float = 0.0) -> torch.Tensor:
     assert x.dim() == 2 and x.shape[1] % 2 == 0, x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -47,7 +53,7 @@ def _launch(x: torch.Tensor, act: int) -> torch.Tensor:
     if n == 0 or inter == 0:
         return out
     block = min(1024, triton.next_power_of_2(inter))
-    _act_and_mul_kernel[(n, triton.cdiv(inter, block))](x, out, inter, x.stride(0), out.stride(0),
+    _act_and_mul_kernel[(n, triton.cdiv(inter, block))](x, out, inter, x.stride(0), out.stride(0), alpha, limit,
                                                         ACT=act, BLOCK=block, num_warps=4, **pdl_args(x))
     return out
 
@@ -60,6 +66,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2I] -> new [T, I] tensor = gelu_tanh(gate) * up (Gemma's `gelu_pytorch_tanh`)."""
     return _launch(x, _GELU_TANH)
+
+
+def swiglu_oai_and_mul(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """[T, 2I] -> new [T, I]: gpt-oss's gated activation, g * sigmoid(alpha * g) * (u + 1) with
+    g = min(gate, limit) and u = clamp(up, -limit, limit) (its halves de-interleaved at load)."""
+    return _launch(x, _SWIGLU_OAI, float(alpha), float(limit))
 
 
 def _acc(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,3 +90,10 @@ def gelu_tanh_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     """Same contract as `gelu_tanh_and_mul`; fp32 math (fp64 for fp64)."""
     a, b = _acc(x)
     return (F.gelu(a, approximate="tanh") * b).to(x.dtype)
+
+
+def swiglu_oai_and_mul_ref(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """Same contract as `swiglu_oai_and_mul`; fp32 math (fp64 for fp64)."""
+    a, b = _acc(x)
+    a = a.clamp(max=limit)
+    return (a * torch.sigmoid(alpha * a) * (b.clamp(-limit, limit) + 1)).to(x.dtype)

@@ -22,7 +22,8 @@ import triton.language as tl
 from kernels.paged_attention import _interpreter_bf16
 from kernels.pdl import pdl_args, pdl_wait
 
-__all__ = ["fused_experts", "fused_experts_ref", "moe_align", "moe_align_kernel", "moe_align_torch", "moe_config"]
+__all__ = ["fused_experts", "fused_experts_ref", "moe_align", "moe_align_kernel", "moe_align_torch", "moe_config",
+           "tokens_per_tile_band"]
 
 
 ALIGN_KERNEL_MAX_PAIRS = 2048  # one program walks the pairs: beyond, the torch ops are faster
@@ -156,6 +157,10 @@ def _moe_gemm_kernel(a_ptr, w_ptr, b_ptr, c_ptr, rw_ptr, rows_ptr, bexp_ptr, N, 
              mask=row_ok[:, None] & n_ok[None, :])
 
 
+# Rows per expert (pairs / E) up to which moe_config picks 16-row tiles, then 32-row ones.
+ROW_BANDS = (12, 24)
+
+
 def moe_config(num_pairs: int, num_experts: int) -> dict:
     """Tiles by the rows each expert gets (pairs / E), from an H200 sweep in CUDA graphs at the
     shapes of kernels/bench_moe.py, 1-256 tokens (tests/gpu/sweep_moe.py): up to 12 rows 16-row
@@ -163,11 +168,17 @@ def moe_config(num_pairs: int, num_experts: int) -> dict:
     24 rows 32-row tiles, beyond 64 (within 3% of each point's best tiles, where the rule of
     pairs <= 4 E before lost up to 8%)."""
     rows = num_pairs / num_experts
-    if rows <= 12:
+    if rows <= ROW_BANDS[0]:
         return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
-    if rows <= 24:
+    if rows <= ROW_BANDS[1]:
         return {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
     return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
+
+
+def tokens_per_tile_band(num_experts: int, top_k: int) -> list[int]:
+    """A batch size that lands in each of moe_config's bands: running one of each compiles every
+    variant a later batch may need."""
+    return [1] + [-(-(band + 1) * num_experts // top_k) for band in ROW_BANDS]
 
 
 def _grouped_gemm(a, w, b, rows, block_expert, out, routed, a_row_div: int, cfg: dict) -> None:

@@ -37,6 +37,9 @@ SHAPES = {
     # Mamba-2 and attention layers, each with 64 routed experts (6 per token) beside a shared MLP;
     # positions capped as Bamba's.
     "granite-4.0-h-tiny": ("granitemoehybrid", ("granite-4.0-h-tiny", dict(max_position_embeddings=16384))),
+    # Sliding-window (128) and full layers alternating, attention sinks, 32 experts (4 per token),
+    # in bf16 (the published checkpoint's experts are MXFP4).
+    "gpt-oss-20b": ("gpt_oss", ("gpt-oss-20b", {})),
     # For tests on CPU.
     "tiny": ("gemma3_text", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
                                  num_key_value_heads=2, head_dim=16, sliding_window=16, vocab_size=512, **_GEMMA3)),
@@ -238,6 +241,15 @@ def roofline_of(engine, bandwidth: float, matmul: float) -> Roofline:
         weight_bytes -= math.ceil(hf.vocab_size / plan.tp_size) * hf.hidden_size * dtype_bytes
     return Roofline(weight_bytes, plan.layers, plan.tp_size, dtype_bytes, bandwidth, matmul, int(num_params),
                     experts)
+
+
+def routing_note(plan_info: dict) -> str | None:
+    """What the roofline assumes of a model with routed experts (None without experts)."""
+    if not plan_info.get("experts"):
+        return None
+    return ("routed experts: the roofline assumes uniform routing (E * (1 - (1 - k/E)^B) of a layer's E experts read "
+            "at batch B); tokens that pick the same experts (random --load-format dummy weights often do) read fewer, "
+            "and the figure may pass the roofline")
 
 
 # ---- the engine's own figures --------------------------------------------------------------------

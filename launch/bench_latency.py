@@ -92,6 +92,8 @@ def run(args) -> int:
             rows.append((f"B={b} HF generate tok/s", f"{r['hf_output_tok_s']:.1f}", "",
                          f"ours {r['output_tok_s'] / r['hf_output_tok_s']:.2f}x"))
     bc.print_table(rows)
+    if bc.routing_note(info):
+        print(bc.routing_note(info))
     bc.write_json(args.output_json, dict(kind="latency", device=device, tp=args.tensor_parallel_size, model=model,
                                          copy_bandwidth=bandwidth, matmul_rate=matmul, engine=info, results=results))
     return 0

@@ -141,6 +141,8 @@ def run(args) -> int:
     if hf:
         rows.append(("HF generate output tok/s", f"{hf:.1f}", "", f"ours {ours / hf:.2f}x"))
     bc.print_table(rows)
+    if bc.routing_note(info):
+        print(bc.routing_note(info))
     bc.write_json(args.output_json, dict(kind="throughput", device=device, tp=args.tensor_parallel_size, model=model,
                                          async_engine=args.async_engine,
                                          num_requests=len(requests), prompt_tokens=n_in, output_tokens=n_out,

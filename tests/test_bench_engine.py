@@ -99,7 +99,7 @@ def test_mamba_hybrid_roofline_moves_each_state_twice(tmp_path):
                  "--output-json", str(tmp_path / "lat.json")]) == 0
 
 
-def test_moe_roofline_reads_only_the_chosen_experts(tmp_path):
+def test_moe_roofline_reads_only_the_chosen_experts(tmp_path, capsys):
     """Routed experts count in a decode step's bytes only as far as its tokens choose them: a
     batch of B tokens reads E * (1 - (1 - k/E)^B) of a layer's E experts (uniform routing), so one
     token reads k and a large batch nearly all; the prefill's FLOPs count k experts per token.
@@ -121,3 +121,4 @@ def test_moe_roofline_reads_only_the_chosen_experts(tmp_path):
     assert main(["bench", "latency", "--model", folder, "--device", "cpu", "--batch-size", "2", "--input-len", "8",
                  "--output-len", "4", "--num-iters", "1", "--num-iters-warmup", "0",
                  "--output-json", str(tmp_path / "lat.json")]) == 0
+    assert "the roofline assumes uniform routing" in capsys.readouterr().out

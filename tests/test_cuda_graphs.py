@@ -4,8 +4,8 @@ sampling, penalties; batches padded to every captured size); no Triton kernel is
 after warm-up over a 300-token decode, with graphs and eagerly; the graphs' memory is counted
 before the KV cache is sized. With two GPUs: TP=2 on Ray, with its all-reduces inside the graphs,
 gives transformers' greedy tokens. Each on Gemma-3, on a Mamba hybrid (Bamba: the state pages
-of a decode are found on the device, inside the graph) and on Granite-4.0-H with routed experts
-(their sort by expert inside the graph)."""
+of a decode are found on the device, inside the graph), on Granite-4.0-H with routed experts
+(their sort by expert inside the graph) and on gpt-oss (sinks, biases, experts with biases)."""
 from __future__ import annotations
 
 import pytest
@@ -22,7 +22,7 @@ ARGS = dict(device="cuda", dtype="float32", block_size=4, max_model_len=256, max
             gpu_memory_utilization=0.3)
 
 
-@pytest.fixture(scope="module", params=["gemma3", "bamba", "granitemoehybrid_moe"])
+@pytest.fixture(scope="module", params=["gemma3", "bamba", "granitemoehybrid_moe", "gpt_oss"])
 def model(request, tmp_path_factory):
     hf, _ = build(request.param)
     folder = tmp_path_factory.mktemp(request.param)

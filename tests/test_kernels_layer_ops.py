@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from kernels.activation import gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref
+from kernels.activation import (gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref,
+                                swiglu_oai_and_mul, swiglu_oai_and_mul_ref)
 from kernels.gemv import SKINNY_MAX_ROWS, gemv, gemv_ref, skinny_config, skinny_gemm, skinny_gemm_ref
 from kernels.kv_store import store_kv, store_kv_ref
 from kernels.layernorm import rms_norm, rms_norm_ref
@@ -242,6 +243,18 @@ def test_act_and_mul(impl, ref, dtype, inter):
     x[0, :8] = torch.tensor([-100.0, -30.0, -9.0, 0.0, 9.0, 30.0, 100.0, 1e-3], dtype=dtype)
     out = impl(x)
     check(out, ref(x.double()), dtype)
+
+
+@pytest.mark.parametrize("impl", [swiglu_oai_and_mul, swiglu_oai_and_mul_ref], ids=["triton", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_swiglu_oai_and_mul(impl, dtype):
+    """gpt-oss's clamped gate: against the formula evaluated in float64 here, with gates and ups
+    on both sides of the clamps."""
+    x = randn(7, 2 * 160, dtype=dtype) * 6
+    x[0, :6] = torch.tensor([-100.0, -8.0, 6.9, 7.0, 7.5, 100.0], dtype=dtype)
+    x[0, 160:166] = torch.tensor([-100.0, -7.5, -6.0, 7.0, 7.5, 100.0], dtype=dtype)
+    g, u = x.double()[:, :160].clamp(max=7.0), x.double()[:, 160:].clamp(-7.0, 7.0)
+    check(impl(x, 1.702, 7.0), g * torch.sigmoid(1.702 * g) * (u + 1), dtype)
 
 
 def test_act_and_mul_strided_rows():

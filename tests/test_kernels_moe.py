@@ -7,7 +7,7 @@ import torch
 
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.fused_moe import (_grouped_gemm, fused_experts, fused_experts_ref, moe_align, moe_align_kernel,
-                               moe_align_torch, moe_config)
+                               moe_align_torch, moe_config, tokens_per_tile_band)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
@@ -131,6 +131,8 @@ def test_grouped_gemm_writes_each_pair_row_once_and_nothing_else(a_row_div, rout
 
 def test_moe_config_rule_and_empty_batch():
     assert [moe_config(pairs, 64)["BLOCK_M"] for pairs in (6, 768, 769, 1536, 1537)] == [16, 16, 32, 32, 64]
+    for e, k in ((64, 6), (32, 4), (8, 2), (128, 1)):  # warm-up batches: one in each band
+        assert [moe_config(t * k, e)["BLOCK_M"] for t in tokens_per_tile_band(e, k)] == [16, 32, 64]
     w13, w2 = expert_weights(4, 8, 16, torch.float32, seed=0)
     x = torch.zeros(0, 16, device=DEVICE)
     ids = torch.zeros(0, 2, dtype=torch.int64, device=DEVICE)

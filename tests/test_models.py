@@ -93,6 +93,15 @@ CONFIGS = {
                                   mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=16,
                                   embedding_multiplier=2.0, residual_multiplier=0.7, attention_multiplier=0.2,
                                   logits_scaling=1.5, eos_token_id=None, initializer_range=0.2)),
+    # gpt-oss: sliding (window 12) and full layers alternating, attention sinks, q/k/v/o biases,
+    # YaRN; 4 experts, 2 per token, with biases and the clamped activation (a limit small enough
+    # that the clamps bind on these weights).
+    "gpt_oss": ("GptOssConfig", "workers.models.gpt_oss:GptOssForCausalLM",
+                dict(num_hidden_layers=4, sliding_window=12, num_local_experts=4, num_experts_per_tok=2,
+                     swiglu_limit=1.5, eos_token_id=None, initializer_range=0.1,
+                     rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                      "truncate": False, "original_max_position_embeddings": 128,
+                                      "rope_theta": 150000.0})),
 }
 HYBRIDS = ["bamba", "nemotron_h", "falcon_h1", "falcon_h1_norm", "granitemoehybrid", "granitemoehybrid_moe"]
 
@@ -107,6 +116,10 @@ def build(name: str, seed: int = 0, device: str = "cpu"):
         for n, p in hf.named_parameters():
             if "norm" in n or n.endswith("bias"):
                 p.copy_(torch.randn_like(p) * 0.5 + (1.0 if "norm" in n else 0.0))
+    # transformers up to 5.17 fixes gpt-oss's clamp at 7 whatever the config says: the config's.
+    for m in hf.modules():
+        if type(m).__name__ == "GptOssExperts" and hasattr(config, "swiglu_limit"):
+            m.limit = config.swiglu_limit
     # Saved with save_pretrained (several shards and an index) and read back by our loader.
     with tempfile.TemporaryDirectory() as folder:
         hf.save_pretrained(folder, max_shard_size="100KB")
@@ -132,7 +145,7 @@ def test_prefill_logits_and_greedy_match_transformers(name):
     assert h.greedy(prompt, 32) == want
 
 
-@pytest.mark.parametrize("name", ["mistral", "qwen3", "gemma2", "gemma3", "cohere2"] + HYBRIDS)
+@pytest.mark.parametrize("name", ["mistral", "qwen3", "gemma2", "gemma3", "cohere2", "gpt_oss"] + HYBRIDS)
 def test_chunked_prefill_and_prefix_hit_equal_one_prefill(name):
     hf, ours = build(name, device=DEVICE)
     h = Harness(ours, hf.config, device=DEVICE)

@@ -214,6 +214,10 @@ class ModelRunner:
                          presence_penalty=0.1, frequency_penalty=0.1, logprobs=20)
                 gen = torch.Generator(self.device).manual_seed(0)  # the engine's generator stays untouched
                 sample(logits, SamplingTensors.build([p] * r, [[]] * r, [[]] * r, self.vocab_size, self.device, gen))
+                for module in self.model.modules():  # kernels whose variants follow the batch: all of them now
+                    compile_variants = getattr(module, "compile_variants", None)
+                    if compile_variants is not None:
+                        compile_variants()
             torch.cuda.synchronize(self.device)
         self._with_dummy_cache(run)
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.activation import gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref
+from kernels.activation import (gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref,
+                                swiglu_oai_and_mul, swiglu_oai_and_mul_ref)
 from kernels.kv_store import store_kv, store_kv_ref
 from kernels.gated_rmsnorm import gated_rms_norm, gated_rms_norm_ref
 from kernels.fused_moe import fused_experts, fused_experts_ref
@@ -34,6 +35,7 @@ ssd_scan_varlen_op = _pick(ssd_scan_varlen, ssd_scan_varlen_ref)
 selective_state_update_op = _pick(selective_state_update, selective_state_update_ref)
 gated_rms_norm_op = _pick(gated_rms_norm, gated_rms_norm_ref)
 fused_experts_op = _pick(fused_experts, fused_experts_ref)
+swiglu_oai_op = _pick(swiglu_oai_and_mul, swiglu_oai_and_mul_ref)
 ACTIVATIONS = {
     "silu": _pick(silu_and_mul, silu_and_mul_ref),
     "gelu_pytorch_tanh": _pick(gelu_tanh_and_mul, gelu_tanh_and_mul_ref),
@@ -58,4 +60,4 @@ def act_and_mul(name: str):
 
 __all__ = ["linear_op", "rms_norm_op", "rotary_op", "store_kv_op", "paged_attention_op", "qk_norm_rope_op",
            "act_and_mul", "causal_conv1d_varlen_op", "causal_conv1d_update_op", "ssd_scan_varlen_op",
-           "selective_state_update_op", "gated_rms_norm_op", "fused_experts_op", "torch"]
+           "selective_state_update_op", "gated_rms_norm_op", "fused_experts_op", "swiglu_oai_op", "torch"]

@@ -10,29 +10,35 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.fused_moe import tokens_per_tile_band
 from workers.ops import act_and_mul, fused_experts_op, linear_op
 from workers.parallel import TPGroup, split_evenly
 
 
 class Router(nn.Module):
-    """The router's logits, x R^T in float32 (replicated on every rank)."""
+    """The router's logits, x R^T (+ b) in float32 (replicated on every rank)."""
 
-    def __init__(self, hidden: int, num_experts: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, hidden: int, num_experts: int, dtype: torch.dtype, device: torch.device,
+                 bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype, device=device), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(num_experts, dtype=dtype, device=device), requires_grad=False) \
+            if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_op(x, self.weight).float()
+        return linear_op(x, self.weight, self.bias).float()
 
 
 class FusedMoE(nn.Module):
-    """Experts' weights stacked as [E, 2I, H] (gate rows, then up rows) and [E, H, I]. `forward`
-    takes the router's logits, keeps each token's `top_k` largest and weighs those experts by
-    the softmax over the k (Granite's and gpt-oss's rule, not a softmax over all experts), and
-    returns this rank's partial sum (all-reduce it)."""
+    """Experts' weights stacked as [E, 2I, H] (gate rows, then up rows) and [E, H, I], with
+    optional biases [E, 2I] and [E, H]. `forward` takes the router's logits, keeps each token's
+    `top_k` largest and weighs those experts by the softmax over the k (Granite's and gpt-oss's
+    rule, not a softmax over all experts), and returns this rank's partial sum (all-reduce it):
+    the down bias is added on rank 0 only, so that the sum holds it once. `activation` is a name
+    (`workers.ops.act_and_mul`) or a function [R, 2I] -> [R, I]."""
 
-    def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int, activation: str, tp: TPGroup,
-                 dtype: torch.dtype, device: torch.device, name: str = "") -> None:
+    def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int, activation, tp: TPGroup,
+                 dtype: torch.dtype, device: torch.device, name: str = "", bias: bool = False) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"{name}: experts per token must be 1 to {num_experts} (the experts), got {top_k}")
@@ -43,23 +49,42 @@ class FusedMoE(nn.Module):
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.size, dtype=dtype, device=device),
                                requires_grad=False)
-        self.act = act_and_mul(activation)
+        self.b13 = self.b2 = None
+        if bias:
+            self.b13 = nn.Parameter(torch.empty(num_experts, 2 * self.size, dtype=dtype, device=device),
+                                    requires_grad=False)
+            self.b2 = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype, device=device), requires_grad=False)
+        self.first_rank = tp.rank == 0
+        self.act = act_and_mul(activation) if isinstance(activation, str) else activation
 
     def full_shapes(self) -> dict[str, tuple[int, ...]]:
         e, h, i = self.num_experts, self.hidden, self.intermediate
-        return {"w13": (e, 2 * i, h), "w2": (e, h, i)}
+        shapes = {"w13": (e, 2 * i, h), "w2": (e, h, i)}
+        if self.b13 is not None:
+            shapes.update(b13=(e, 2 * i), b2=(e, h))
+        return shapes
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard: object = None) -> None:
-        which = "w13" if param is self.w13 else "w2"
+        which = next(n for n in ("w13", "w2", "b13", "b2") if param is getattr(self, n))
         want = self.full_shapes()[which]
         if tuple(full.shape) != want:
             raise ValueError(f"{self.name}.{which}: checkpoint tensor has shape {tuple(full.shape)}, expected {want}")
-        if which == "w2":
+        if which == "b2":
+            param.data.copy_(full)
+        elif which == "w2":
             param.data.copy_(full.narrow(2, self.start, self.size))
-            return
-        param.data[:, :self.size].copy_(full.narrow(1, self.start, self.size))
-        param.data[:, self.size:].copy_(full.narrow(1, self.intermediate + self.start, self.size))
+        else:  # each half (gate, up) split on its own
+            param.data[:, :self.size].copy_(full.narrow(1, self.start, self.size))
+            param.data[:, self.size:].copy_(full.narrow(1, self.intermediate + self.start, self.size))
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         top, ids = router_logits.topk(self.top_k, dim=-1)
-        return fused_experts_op(x, self.w13, self.w2, torch.softmax(top, dim=-1).to(x.dtype), ids, self.act)
+        return fused_experts_op(x, self.w13, self.w2, torch.softmax(top, dim=-1).to(x.dtype), ids, self.act,
+                                self.b13, self.b2 if self.first_rank else None)
+
+    def compile_variants(self) -> None:
+        """Run one batch in each tile band of the kernels (they pick their tiles by the rows
+        each expert gets), so that no prefill compiles a kernel while serving."""
+        for t in tokens_per_tile_band(self.num_experts, self.top_k):
+            x = torch.zeros(t, self.hidden, dtype=self.w13.dtype, device=self.w13.device)
+            self(x, torch.randn(t, self.num_experts, device=x.device))

@@ -23,6 +23,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "NemotronHForCausalLM": "workers.models.nemotron_h:NemotronHForCausalLM",
     "FalconH1ForCausalLM": "workers.models.falcon_h1:FalconH1ForCausalLM",
     "GraniteMoeHybridForCausalLM": "workers.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
+    "GptOssForCausalLM": "workers.models.gpt_oss:GptOssForCausalLM",
 }
 
 
