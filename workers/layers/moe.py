@@ -3,7 +3,10 @@
 Tensor parallelism splits every expert's intermediate size across the ranks (each rank holds
 [E, 2I/tp, H] of gate|up and [E, H, I/tp] of down for all E experts), so each rank computes a
 partial sum for every token and one all-reduce, shared with whatever else the layer adds (a
-shared MLP), finishes it; the router is replicated. Expert parallelism is not built.
+shared MLP), finishes it; the router is replicated. That relies on every rank holding the same
+hidden states bit for bit (NCCL's and the one-shot all-reduce's sums are the same on every
+rank): ranks that disagreed on a top-k would sum different experts. Expert parallelism is not
+built.
 """
 from __future__ import annotations
 
