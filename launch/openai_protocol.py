@@ -45,6 +45,8 @@ class _Sampling(BaseModel):
         out = []
         if self.n != 1:
             out.append(("n", "only n=1 is supported"))
+        if self.stream_options is not None and not self.stream:
+            out.append(("stream_options", "stream_options needs stream: true"))
         return out
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -127,6 +129,8 @@ class ChatCompletionRequest(_Sampling):
             out.append(("response_format", "structured output is not supported"))
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
             out.append(("top_logprobs", f"top_logprobs must be in [0, 20], got {self.top_logprobs}"))
+        if self.top_logprobs and not self.logprobs:  # vLLM's rule: it would be ignored silently
+            out.append(("top_logprobs", "top_logprobs needs logprobs: true"))
         return out
 
     def num_logprobs(self) -> int | None:
