@@ -311,10 +311,10 @@ def build_app(engine, served_names: list[str], api_key: str | None = None):
         for t, d, p in zip(token_ids, lps, [prev, *token_ids[:-1]]):
             s = token_text(t, p)
             tops = sorted(d.items(), key=lambda kv: -kv[1])[:top]
+            top_texts = [(token_text(k, p), v) for k, v in tops]  # each decoded once, not per field
             content.append({"token": s, "logprob": finite(d.get(t)), "bytes": list(s.encode()),
-                            "top_logprobs": [{"token": token_text(k, p), "logprob": finite(v),
-                                              "bytes": list(token_text(k, p).encode())}
-                                             for k, v in tops]})
+                            "top_logprobs": [{"token": text, "logprob": finite(v), "bytes": list(text.encode())}
+                                             for text, v in top_texts]})
         return {"content": content}
 
     async def serve_request(req, raw: Request, prompts: list, logprobs: int | None, chat: bool):
