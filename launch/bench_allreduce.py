@@ -1,6 +1,8 @@
-"""All-reduce latency at decode sizes on the GPUs of one host: NCCL (what the engine uses) against
-torch symmetric memory's one-shot and two-shot NVLink all-reduces (peer-to-peer loads, no
-multicast), each replayed in a CUDA graph, as the decode graphs run them.
+"""All-reduce latency at decode sizes on the GPUs of one host, each replayed in a CUDA graph as the
+decode graphs run them: NCCL, torch symmetric memory's one-shot kernel, and ours
+(`kernels/allreduce.py`, peer-to-peer loads, no multicast); then what a decoder layer does after
+its attention: NCCL followed by Gemma's two norm kernels (the second with the residual add),
+against our kernel with both norms fused (`nvlink_norms`).
 
     python -m launch.bench_allreduce [--world-size 2] [--hidden 3840] [--batches 1 8 32 128 256]
 
@@ -18,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-METHODS = ("nccl", "symm_one_shot", "symm_two_shot")
+METHODS = ("nccl", "symm_one_shot", "nvlink", "nccl_norms", "nvlink_norms")
 
 
 def _time_graph(fn, reps: int = 64, iters: int = 20) -> float:
@@ -49,31 +51,49 @@ def _worker(rank: int, world: int, port: int, hidden: int, batches: list[int], o
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
     group = dist.group.WORLD.group_name
+    device = torch.device("cuda", rank)
     rows = []
-    symm = None
+    symm = ours = None
     try:
         import torch.distributed._symmetric_memory as symm_mem
+
+        from workers.parallel import NVLinkAllReduce
         if hasattr(symm_mem, "enable_symm_mem_for_group"):
             symm_mem.enable_symm_mem_for_group(group)
         n_max = max(batches) * hidden
-        symm = symm_mem.empty(n_max, dtype=torch.bfloat16, device=f"cuda:{rank}")
+        symm = symm_mem.empty(n_max, dtype=torch.bfloat16, device=device)
         symm_mem.rendezvous(symm, group)
+        ours = NVLinkAllReduce(device, torch.bfloat16, n_max * 2)
     except Exception as e:  # noqa: BLE001 - report, keep NCCL's figures
         rows.append({"error": f"symmetric memory unavailable: {type(e).__name__}: {e}"})
+    from kernels.allreduce import all_reduce_rows_ref
+    from kernels.layernorm import rms_norm
+    w = (1 + 0.1 * torch.randn(hidden, device=device)).to(torch.bfloat16)
     for b in batches:
         n = b * hidden
-        x = torch.randn(n, dtype=torch.bfloat16, device=f"cuda:{rank}")
+        x = torch.randn(n, dtype=torch.bfloat16, device=device)
+        res = torch.randn(b, hidden, dtype=torch.bfloat16, device=device)
         parts = [torch.empty_like(x) for _ in range(world)]
         dist.all_gather(parts, x)
         want = torch.stack(parts).float().sum(0)
+        want_norms = all_reduce_rows_ref([p.view(b, hidden) for p in parts], res, w, w, 1e-6, True)[0].float()
         row = {"batch": b, "bytes": n * 2}
         for method in METHODS:
             try:
+                ref = want_norms if method.endswith("_norms") else want
                 if method == "nccl":
                     y = x.clone()
-                    fn = lambda: dist.all_reduce(y)  # noqa: E731
-                    dist.all_reduce(y.copy_(x))
+                    dist.all_reduce(y)
                     got = y
+                    fn = lambda: dist.all_reduce(y)  # noqa: E731
+                elif method == "nccl_norms":
+                    y = x.clone()
+
+                    def fn():
+                        dist.all_reduce(y)
+                        return rms_norm(rms_norm(y.view(b, hidden), w, 1e-6, gemma=True), w, 1e-6, res,
+                                        gemma=True)[0]
+                    got = fn()
                 elif symm is None:
                     continue
                 elif method == "symm_one_shot":
@@ -82,13 +102,15 @@ def _worker(rank: int, world: int, port: int, hidden: int, batches: list[int], o
                     fn = lambda: torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", group)  # noqa: E731
                     got = fn()
                 else:
-                    buf = symm[:n]
-                    buf.copy_(x)
-                    fn = lambda: torch.ops.symm_mem.two_shot_all_reduce_(buf, "sum", group)  # noqa: E731
-                    fn()
-                    got = buf
-                err = float((got.float() - want).abs().max() / want.abs().max())
-                # In the graph the buffer is reduced over and over: only the timing counts there.
+                    buf = ours.buffer_for(b, hidden, torch.bfloat16, device)
+                    buf.copy_(x.view(b, hidden))
+                    if method == "nvlink":
+                        fn = lambda: ours(buf)  # noqa: E731
+                    else:
+                        fn = lambda: ours.reduce_norm(buf, res, w, 1e-6, True, w)[0]  # noqa: E731
+                    got = fn()
+                err = float((got.float().reshape(ref.shape) - ref).abs().max() / ref.abs().max())
+                # In the graph NCCL reduces its buffer over and over: only the timing counts there.
                 row[method] = _time_graph(fn)
                 row[method + "_rel_err"] = err
             except Exception as e:  # noqa: BLE001

@@ -2,10 +2,11 @@
 bit for bit; the engine with graphs gives the tokens of the engine without (greedy, seeded
 sampling, penalties; batches padded to every captured size); no Triton kernel is compiled again
 after warm-up over a 300-token decode, with graphs and eagerly; the graphs' memory is counted
-before the KV cache is sized. With two GPUs: TP=2 on Ray, with its all-reduces inside the graphs,
-gives transformers' greedy tokens. Each on Gemma-3, on a Mamba hybrid (Bamba: the state pages
-of a decode are found on the device, inside the graph), on Granite-4.0-H with routed experts
-(their sort by expert inside the graph) and on gpt-oss (sinks, biases, experts with biases)."""
+before the KV cache is sized. With two GPUs: TP=2 on Ray, with its all-reduces inside the graphs
+(NCCL's, then the NVLink kernel fused with the norms), gives transformers' greedy tokens. Each
+on Gemma-3, on a Mamba hybrid (Bamba: the state pages of a decode are found on the device,
+inside the graph), on Granite-4.0-H with routed experts (their sort by expert inside the graph)
+and on gpt-oss (sinks, biases, experts with biases)."""
 from __future__ import annotations
 
 import pytest
@@ -105,10 +106,11 @@ def test_no_recompiles_after_warmup(model, eager):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_tp2_on_ray_with_cuda_graphs_equals_transformers(model):
+@pytest.mark.parametrize("all_reduce", ["nccl", "nvlink"])
+def test_tp2_on_ray_with_cuda_graphs_equals_transformers(model, all_reduce):
     hf, folder = model
     prompts = _prompts(4)
-    with LLM(folder, tensor_parallel_size=2, **ARGS) as llm:
+    with LLM(folder, tensor_parallel_size=2, disable_custom_all_reduce=all_reduce == "nccl", **ARGS) as llm:
         assert llm.executor.plan_info["cuda_graphs"]
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     ref = hf.to("cuda")

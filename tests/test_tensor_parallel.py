@@ -3,6 +3,7 @@ transformers' logits and greedy tokens; sizes that do not divide the heads are r
 anything runs."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -11,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.test_models import CONFIGS, build
-from workers.parallel import TPGroup
+from workers.parallel import NVLinkAllReduce, TPGroup
 
 ARCHS = sorted(CONFIGS)
 
@@ -24,10 +25,12 @@ def _worker(rank: int, world: int, rendezvous: str, folder: str, backend: str = 
     from tests.model_harness import Harness
     from workers.parallel import init_tp_group
     device = torch.device("cpu")
-    if backend == "nccl":
+    if backend != "gloo":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
-    tp = init_tp_group(rank, world, rendezvous, backend)
+    tp = init_tp_group(rank, world, rendezvous, "gloo" if backend == "gloo" else "nccl")
+    if backend == "nvlink":  # the NVLink all-reduce, fused with the norms where a layer defers it
+        tp = dataclasses.replace(tp, custom=NVLinkAllReduce(device, torch.float32, 1 << 20))
     results = {}
     for name in ARCHS:
         config = getattr(importlib.import_module("transformers"), CONFIGS[name][0]).from_pretrained(
@@ -49,7 +52,7 @@ def _worker(rank: int, world: int, rendezvous: str, folder: str, backend: str = 
     torch.distributed.destroy_process_group()
 
 
-BACKENDS = ["gloo"] + (["nccl"] if torch.cuda.device_count() >= 2 else [])
+BACKENDS = ["gloo"] + (["nccl", "nvlink"] if torch.cuda.device_count() >= 2 else [])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

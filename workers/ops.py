@@ -43,13 +43,18 @@ ACTIVATIONS = {
 }
 
 
-def linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b): on a GPU one row (a batch-1 decode step) through the Triton GEMV and 2 to 32
-    rows through the skinny GEMM, faster there than cuBLAS (kernels/gemv.py); anything else
-    through F.linear."""
+def linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b), into `out` when given (a 2-D x and a contiguous [rows, N] `out`): on a GPU
+    one row (a batch-1 decode step) through the Triton GEMV and 2 to 32 rows through the skinny
+    GEMM, faster there than cuBLAS (kernels/gemv.py); anything else through cuBLAS."""
     if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_ROWS:
-        return gemv(x, weight, bias) if x.shape[0] == 1 else skinny_gemm(x, weight, bias)
-    return torch.nn.functional.linear(x, weight, bias)
+        return gemv(x, weight, bias, out=out) if x.shape[0] == 1 else skinny_gemm(x, weight, bias, out=out)
+    if out is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    if bias is None:
+        return torch.mm(x, weight.t(), out=out)
+    return torch.addmm(bias, x, weight.t(), out=out)
 
 
 def act_and_mul(name: str):

@@ -17,7 +17,7 @@ class TPGroup:
     rank: int = 0
     world_size: int = 1
     group: Any = None  # torch.distributed process group; None: the default group
-    custom: Any = None  # a faster all-reduce for small GPU tensors (SymmMemAllReduce), or None
+    custom: Any = None  # a faster all-reduce for small GPU tensors (NVLinkAllReduce), or None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the group: in place through NCCL, or a new tensor through `custom`."""
@@ -28,6 +28,13 @@ class TPGroup:
                     return out
             dist.all_reduce(x, group=self.group)
         return x
+
+    def reduce_buffer(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """Where a partial product about to be all-reduced should be written (the NVLink
+        all-reduce's buffer), or None: any new tensor will do."""
+        if self.world_size > 1 and self.custom is not None:
+            return self.custom.buffer_for(rows, cols, dtype, device)
+        return None
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         if self.world_size == 1:
@@ -42,31 +49,77 @@ class TPGroup:
         return torch.cat(parts, dim=dim)
 
 
-class SymmMemAllReduce:
-    """A one-shot all-reduce over NVLink for the small tensors of decode steps: each rank copies
-    its tensor into a symmetric buffer and one kernel sums every peer's buffer with peer-to-peer
-    loads (torch symmetric memory; no multicast). Its kernel waits for every rank on entry and on
-    exit, so one buffer serves call after call; it runs inside CUDA graphs. Larger tensors, other
-    dtypes and CPU tensors return None: the caller uses NCCL."""
+class NVLinkAllReduce:
+    """The all-reduce of decode-sized tensors over NVLink: each rank's partial sums sit in its
+    buffer of a torch symmetric-memory allocation (peer-to-peer mapped, no multicast) and one
+    kernel (`kernels.allreduce`) sums every peer's rows and, where the layer asks, applies the
+    norms and the residual add that follow. A row-parallel layer writes its product straight into
+    the buffer (`buffer_for`), so nothing is copied; the kernel waits for every rank on entry and
+    on exit, so one buffer serves call after call, inside CUDA graphs too. Tensors too large,
+    of another dtype, or on the CPU get None back: the caller uses NCCL."""
+
+    MAX_PROGRAMS = 128  # one program per row up to this many rows; the rest loop
 
     def __init__(self, device: torch.device, dtype: torch.dtype, max_bytes: int, group: Any = None) -> None:
         import torch.distributed._symmetric_memory as symm_mem
-        self.group_name = (group or dist.group.WORLD).group_name
-        self.dtype = dtype
+
+        from kernels.allreduce import PeerBuffers, pad_slots
+        group_name = (group or dist.group.WORLD).group_name
+        self.dtype, self.device = dtype, device
         self.max_numel = max_bytes // torch.empty((), dtype=dtype).element_size()
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)  # needed before torch 2.8
         if enable is not None:
-            enable(self.group_name)
+            enable(group_name)
         self.buffer = symm_mem.empty(self.max_numel, dtype=dtype, device=device)
-        symm_mem.rendezvous(self.buffer, self.group_name)
+        buffers = symm_mem.rendezvous(self.buffer, group_name)
+        world = buffers.world_size
+        # The kernel's flag arrays: a symmetric int32 allocation of their own, zero on every rank
+        # before any rank signals (zeroed, then one barrier).
+        self.flags = symm_mem.empty(pad_slots(self.MAX_PROGRAMS, world), dtype=torch.int32, device=device)
+        flags = symm_mem.rendezvous(self.flags, group_name)
+        self.flags.zero_()
+        torch.cuda.synchronize(device)
+        dist.barrier(group=group)
+        as_tensor = lambda ptrs: torch.tensor(list(ptrs), dtype=torch.int64, device=device)  # noqa: E731
+        self.peers = PeerBuffers(as_tensor(buffers.buffer_ptrs), as_tensor(flags.buffer_ptrs), buffers.rank, world,
+                                 self.MAX_PROGRAMS)
+
+    def buffer_for(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """Where a [rows, cols] partial product should be written to be reduced without a copy,
+        or None when this all-reduce cannot take it."""
+        if dtype != self.dtype or device != self.device or rows * cols > self.max_numel or rows * cols == 0:
+            return None
+        return self.buffer[: rows * cols].view(rows, cols)
+
+    def _rows_in_buffer(self, x: torch.Tensor) -> tuple[int, int] | None:
+        if not x.is_cuda or x.dim() < 1 or x.shape[-1] == 0:
+            return None
+        cols = x.shape[-1]
+        rows = x.numel() // cols
+        buf = self.buffer_for(rows, cols, x.dtype, x.device)
+        if buf is None:
+            return None
+        if x.data_ptr() != buf.data_ptr() or not x.is_contiguous():
+            buf.copy_(x.reshape(rows, cols))
+        return rows, cols
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
-        n = x.numel()
-        if not x.is_cuda or x.dtype != self.dtype or n > self.max_numel or not x.is_contiguous():
+        from kernels.allreduce import all_reduce_rows
+        shape = self._rows_in_buffer(x)
+        if shape is None:
             return None
-        buf = self.buffer[:n]
-        buf.copy_(x.view(-1))
-        return torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", self.group_name).view_as(x)
+        return all_reduce_rows(self.peers, *shape, x.dtype, x.device).view(x.shape)
+
+    def reduce_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: torch.Tensor, eps: float,
+                    gemma: bool, pre_norm: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(norm(pre_norm(sum(x)) + residual), the stream after the add) in one kernel, or None."""
+        from kernels.allreduce import all_reduce_rows
+        shape = self._rows_in_buffer(x)
+        if shape is None or residual.shape != x.shape or not residual.is_contiguous():
+            return None
+        out, new_res = all_reduce_rows(self.peers, *shape, x.dtype, x.device, residual=residual.view(shape),
+                                       norm1=pre_norm, norm2=norm, eps=eps, gemma=gemma)
+        return out.view(x.shape), new_res.view(x.shape)
 
 
 def init_tp_group(rank: int, world_size: int, init_method: str, backend: str | None = None) -> TPGroup:

@@ -104,10 +104,10 @@ class Worker:
         import sys
 
         from workers.loader import load_hf_config, resolve_dtype, resolve_model_path
-        from workers.parallel import SymmMemAllReduce
+        from workers.parallel import NVLinkAllReduce
         dtype = resolve_dtype(load_hf_config(resolve_model_path(self.config.model)), self.config.dtype, self.device)
         try:
-            return SymmMemAllReduce(self.device, dtype, CUSTOM_ALL_REDUCE_MAX_BYTES)
+            return NVLinkAllReduce(self.device, dtype, CUSTOM_ALL_REDUCE_MAX_BYTES)
         except Exception as e:  # noqa: BLE001 - no P2P, no symmetric memory: NCCL does it all
             print(f"rank {self.rank}: the NVLink all-reduce is unavailable ({type(e).__name__}: {e}); using NCCL",
                   file=sys.stderr)

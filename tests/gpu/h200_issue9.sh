@@ -8,6 +8,8 @@
 #   bash tests/gpu/h200_issue9.sh serve   # one or two H200s (~5 min per TP size): bench serve at 4 rates, +shared prefix
 #   bash tests/gpu/h200_issue9.sh sweep   # two H200s (~10 min): examples/sweep_gemma3_12b.yaml, then sweep_serve.yaml
 #                                         # (SWEEPS="latency serve"; "quick": sweep_serve_quick.yaml)
+#   bash tests/gpu/h200_issue9.sh rank    # one H200 (~6 min): TP=1 against one TP=2 rank's shapes (half the heads,
+#                                         # the MLP and the vocabulary, no all-reduce): steps, profiles, prefill
 #   bash tests/gpu/h200_issue9.sh engines # one or two H200s (~6 min): 512 prompts through LLM.generate, AsyncLLM and HTTP
 # DISTENGINE_ENGINE_PROCESS=0 puts the serving engine's loop in a thread of the server instead of its own process.
 # Logs and JSON go to $OUT; a short table is printed last. Each step has its own time limit.
@@ -90,6 +92,28 @@ if [ "$mode" = serve ]; then  # issue 11's figures: TP=${TP:-1}, 512 in / 128 ou
   kill -TERM %1; wait
   for f in "$OUT"/serve_*.log; do echo "== $f"; tail -7 "$f"; done
   [ "${PREFIX:-1}" = 1 ] && { echo "== prefix cache (before / after the shared-prefix run)"; cat "$OUT"/prefix_*.txt; }
+fi
+
+if [ "$mode" = rank ]; then  # what a TP=2 rank computes, on one GPU: the TP=2 step minus this is communication
+  python3 - <<'PY'
+import json
+from launch.bench_common import build_random_model as b
+b('/tmp/g12d', 'gemma-3-12b', weights=False)
+c = json.load(open('/tmp/g12d/config.json'))
+t = c.get('text_config', c)
+for k in ('num_attention_heads', 'num_key_value_heads', 'intermediate_size', 'vocab_size'):
+    t[k] //= 2
+import os; os.makedirs('/tmp/g12r', exist_ok=True); json.dump(c, open('/tmp/g12r/config.json', 'w'))
+PY
+  for m in g12d g12r; do
+    timeout 120 $cli bench latency --model /tmp/$m --load-format dummy --batch-size 1 32 128 $io \
+        --output-json "$OUT/lat_$m.json" > "$OUT/lat_$m.log" 2>&1
+    DISTENGINE_PDL=0 timeout 100 python3 tests/gpu/profile_decode.py /tmp/$m --load-format dummy --batch 1 128 \
+        > "$OUT/profile_$m.log" 2>&1
+    timeout 100 python3 tests/gpu/profile_prefill.py /tmp/$m --load-format dummy --tokens 8192 > "$OUT/prefill_$m.log" 2>&1
+  done
+  for m in g12d g12r; do summary "profile $m" 24 profile_$m.log; summary "prefill $m" 12 prefill_$m.log; done
+  summary "TP=1" 13 lat_g12d.log; summary "one TP=2 rank's shapes" 13 lat_g12r.log
 fi
 
 if [ "$mode" = engines ]; then  # where saturated serving loses against offline: the same 512 x 512 / 128 workload

@@ -132,8 +132,20 @@ class RowParallelLinear(_ParallelLinear):
         _check_shape(self.name, full.shape, (self.out_features, self.in_features))
         param.data.copy_(full.narrow(1, self.in_start, self.in_size))
 
+    def defer_reduce(self) -> None:
+        """The caller all-reduces the output itself, at once (fused with what follows): the
+        product is still written where the all-reduce reads it."""
+        if self.bias is not None:
+            raise ValueError(f"{self.name}: a bias is added after the all-reduce; it cannot be deferred")
+        self.reduce, self.deferred = False, True
+
+    deferred = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear_op(x, self.weight)
+        out = None
+        if (self.reduce or self.deferred) and x.dim() == 2:
+            out = self.tp.reduce_buffer(x.shape[0], self.out_features, x.dtype, x.device)
+        y = linear_op(x, self.weight, out=out)
         if self.reduce:
             y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y

@@ -58,8 +58,8 @@ class Gemma2DecoderLayer(LlamaDecoderLayer):
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.post_attention_layernorm(self.self_attn(positions, h, meta))
-        h, residual = self.pre_feedforward_layernorm(h, residual)
+        h, residual = self.attention_out(self.self_attn(positions, h, meta), residual,
+                                         self.pre_feedforward_layernorm, pre_norm=self.post_attention_layernorm)
         return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 

@@ -30,6 +30,23 @@ class RMSNorm(nn.Module):
         return rms_norm_op(x, self.weight, self.eps, residual, gemma=self.gemma)
 
 
+def reduce_add_norm(tp: TPGroup, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
+                    pre_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(pre_norm(all-reduce(x)) + residual), the stream after the add): one kernel where the
+    NVLink all-reduce takes x (`workers.parallel.NVLinkAllReduce`), else the all-reduce and the
+    norm kernels one after the other."""
+    same = pre_norm is None or (pre_norm.eps == norm.eps and pre_norm.gemma == norm.gemma)
+    if tp.world_size > 1 and tp.custom is not None and same:
+        fused = tp.custom.reduce_norm(x, residual, norm.weight, norm.eps, norm.gemma,
+                                      None if pre_norm is None else pre_norm.weight)
+        if fused is not None:
+            return fused
+    x = tp.all_reduce(x)
+    if pre_norm is not None:
+        x = pre_norm(x)
+    return norm(x, residual)
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, config, tp: TPGroup, dtype, device, prefix: str, bias: bool = False) -> None:
         super().__init__()
@@ -107,14 +124,25 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = self.mlp_cls(config, tp, dtype, device, f"{prefix}.mlp", bool(getattr(config, "mlp_bias", False)))
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device, gemma=self.gemma_norm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device, gemma=self.gemma_norm)
+        self.tp = tp
+        # The attention's all-reduce is fused with the residual add and the norm after it.
+        if tp.world_size > 1 and self.self_attn.o_proj.bias is None:
+            self.self_attn.o_proj.defer_reduce()
+
+    def attention_out(self, h: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
+                      pre_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention output (partial sums when its all-reduce is deferred) through the norms
+        that follow it and the residual add."""
+        if self.self_attn.o_proj.deferred:
+            return reduce_add_norm(self.tp, h, residual, norm, pre_norm)
+        return norm(h if pre_norm is None else pre_norm(h), residual)
 
     def forward(self, positions, x, residual, meta):
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(positions, h, meta)
-        h, residual = self.post_attention_layernorm(h, residual)
+        h, residual = self.attention_out(self.self_attn(positions, h, meta), residual, self.post_attention_layernorm)
         return self.mlp(h), residual
 
 
