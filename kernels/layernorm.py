@@ -1,4 +1,6 @@
-"""RMSNorm, optionally fused with the residual add (vLLM's `rms_norm` / `fused_add_rms_norm`).
+"""RMSNorm, optionally fused with the residual add (vLLM's `rms_norm` / `fused_add_rms_norm`), and
+optionally preceded by a first RMSNorm of x (`pre_weight`: Gemma's post-attention or
+post-feed-forward norm, then the add, then the next norm: two launches in one).
 
 Why a Triton kernel: RMSNorm is memory-bound. Eager torch makes ~6 passes over the row (upcast,
 square, mean, rsqrt-multiply, weight-multiply, downcast) and the residual add two more; the
@@ -8,7 +10,9 @@ registers. So it wins for both forms (H200, T=4096, hidden 4096/5376, bf16, vs `
 
 Numerics (both implementations): the residual sum is rounded to x's dtype, stored as
 new_residual, and the norm is computed in fp32 from that rounded value, as vLLM's CUDA kernel
-does, so `out == rms_norm(new_residual)` exactly in form. Gemma's form scales by (1 + weight).
+does, so `out == rms_norm(new_residual)` exactly in form. The first norm's output is rounded to
+x's dtype before the add, as when it runs as a kernel of its own. Gemma's form scales by
+(1 + weight).
 """
 from __future__ import annotations
 
@@ -22,14 +26,21 @@ __all__ = ["rms_norm", "rms_norm_ref"]
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, new_res_ptr, n_cols, eps,
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, pre_w_ptr, out_ptr, new_res_ptr, n_cols, eps,
                      sx, sr, so, snr,
-                     HAS_RES: tl.constexpr, GEMMA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                     HAS_RES: tl.constexpr, HAS_PRE: tl.constexpr, GEMMA: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * sx + cols, mask=mask, other=0.0)
+    if HAS_PRE:
+        xf = x.to(tl.float32)
+        pw = tl.load(pre_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if GEMMA:
+            pw = pw + 1.0
+        x = (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps) * pw).to(out_ptr.dtype.element_ty)
     if HAS_RES:
         r = tl.load(res_ptr + row * sr + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(new_res_ptr.dtype.element_ty)
@@ -49,11 +60,14 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             gemma: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Returns new tensors (`out`, and `new_residual = x + residual` when residual is given);
-    the inputs are not modified. Whole row per program: fine up to hidden ~16K."""
+             gemma: bool = False, pre_weight: torch.Tensor | None = None,
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Returns new tensors (`out`, and `new_residual = x + residual` when residual is given, x
+    first normed by `pre_weight` when given); the inputs are not modified. Whole row per
+    program: fine up to hidden ~16K."""
     hidden = x.shape[-1]
     assert weight.shape == (hidden,), (weight.shape, x.shape)
+    assert pre_weight is None or pre_weight.shape == (hidden,), (pre_weight.shape, x.shape)
     assert residual is None or residual.shape == x.shape, (residual.shape, x.shape)
     x2 = _rows(x)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -64,17 +78,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     assert block <= 65536, "row too wide for one program"
     if x2.shape[0] > 0:
         _rms_norm_kernel[(x2.shape[0],)](
-            x2, r2, weight, o2, nr2, hidden, float(eps),
+            x2, r2, weight, pre_weight if pre_weight is not None else weight, o2, nr2, hidden, float(eps),
             x2.stride(0), r2.stride(0), o2.stride(0), nr2.stride(0),
-            HAS_RES=residual is not None, GEMMA=gemma, BLOCK=block,
+            HAS_RES=residual is not None, HAS_PRE=pre_weight is not None, GEMMA=gemma, BLOCK=block,
             num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16, **pdl_args(x2))
     return (out, new_res) if residual is not None else out
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-                 gemma: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                 gemma: bool = False, pre_weight: torch.Tensor | None = None,
+                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `rms_norm`. Computes in fp32 (fp64 for fp64 inputs, so tests can use it
     as the exact oracle)."""
+    if pre_weight is not None:
+        x = rms_norm_ref(x, pre_weight, eps, gemma=gemma)
     acc = torch.promote_types(x.dtype, torch.float32)
     new_res = None
     if residual is not None:

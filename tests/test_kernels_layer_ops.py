@@ -84,21 +84,35 @@ def test_store_kv(impl, dtype, head_dim, num_heads, strided):
 @pytest.mark.parametrize("hidden", [64, 200, 1024])
 @pytest.mark.parametrize("fused_add", [False, True], ids=["plain", "add"])
 @pytest.mark.parametrize("gemma", [False, True], ids=["w", "1+w"])
-def test_rms_norm(impl, dtype, hidden, fused_add, gemma):
+@pytest.mark.parametrize("pre", [False, True], ids=["", "pre-norm"])
+def test_rms_norm(impl, dtype, hidden, fused_add, gemma, pre):
     num_tokens, eps = 9, 1e-6
     x = randn(num_tokens, hidden, dtype=dtype) * 3
     weight = (1 + 0.2 * torch.randn(hidden, device=DEVICE)).to(dtype)
+    pre_weight = (1 + 0.2 * torch.randn(hidden, device=DEVICE)).to(dtype) if pre else None
     residual = randn(num_tokens, hidden, dtype=dtype) if fused_add else None
     x_in, res_in = x.clone(), None if residual is None else residual.clone()
-    got = impl(x, weight, eps, residual=residual, gemma=gemma)
+    got = impl(x, weight, eps, residual=residual, gemma=gemma, pre_weight=pre_weight)
     ref = rms_norm_ref(x.double(), weight.double(), eps, residual=None if residual is None else residual.double(),
-                       gemma=gemma)
+                       gemma=gemma, pre_weight=None if pre_weight is None else pre_weight.double())
     assert torch.equal(x, x_in) and (residual is None or torch.equal(residual, res_in)), "inputs modified"
     if fused_add:
         check(got[1], ref[1], dtype)
         check(got[0], ref[0], dtype)
     else:
         check(got, ref, dtype)
+
+
+@pytest.mark.parametrize("impl", [rms_norm, rms_norm_ref], ids=["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_pre_norm_equals_two_norms(impl, dtype):
+    """The fused first norm gives the bits of the two launches it replaces (a model's tokens do
+    not depend on the fusion)."""
+    x, residual = randn(7, 256, dtype=dtype) * 3, randn(7, 256, dtype=dtype)
+    w, pw = ((1 + 0.2 * torch.randn(256, device=DEVICE)).to(dtype) for _ in range(2))
+    fused = impl(x, w, 1e-6, residual, gemma=True, pre_weight=pw)
+    plain = impl(impl(x, pw, 1e-6, gemma=True), w, 1e-6, residual, gemma=True)
+    assert torch.equal(fused[0], plain[0]) and torch.equal(fused[1], plain[1])
 
 
 def test_rms_norm_leading_dims_and_strided_rows():

@@ -17,7 +17,7 @@ import torch
 
 from workers.layers.attention import AttentionMetadata
 from workers.models.llama import (DecoderModel, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP,
-                                  RMSNorm)
+                                  RMSNorm, reduce_add_norm)
 from workers.ops import act_and_mul
 
 
@@ -49,18 +49,20 @@ class Gemma2DecoderLayer(LlamaDecoderLayer):
         eps = config.rms_norm_eps
         self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, dtype, device, gemma=True)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, dtype, device, gemma=True)
+        if tp.world_size > 1 and self.mlp.down_proj.bias is None:  # reduced with the norms after it
+            self.mlp.down_proj.defer_reduce()
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
-                meta: AttentionMetadata):
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor, meta: AttentionMetadata,
+                next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """HF: r += post_attn_norm(attn(input_norm(r))); r += post_ff_norm(mlp(pre_ff_norm(r))).
-        Here `x + residual` is the stream, the pending addition fused into the next norm."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
+        Here `h` is the layer's input already normed (by the layer before, or the model for the
+        first), and the layer ends with the next layer's input norm (`next_norm`, the final norm
+        after the last layer): each residual add sits between two norms, and the three run as one
+        launch (with the all-reduce before them where the NVLink kernel takes it)."""
         h, residual = self.attention_out(self.self_attn(positions, h, meta), residual,
                                          self.pre_feedforward_layernorm, pre_norm=self.post_attention_layernorm)
-        return self.post_feedforward_layernorm(self.mlp(h)), residual
+        return reduce_add_norm(self.tp, self.mlp(h), residual, next_norm, pre_norm=self.post_feedforward_layernorm,
+                               reduce=self.mlp.down_proj.deferred)
 
 
 class GemmaDecoderModel(DecoderModel):
@@ -73,6 +75,14 @@ class GemmaDecoderModel(DecoderModel):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.normalizer
+
+    def forward(self, input_ids, positions, meta):
+        residual = self.embed(input_ids)
+        h = self.layers[0].input_layernorm(residual) if len(self.layers) else self.norm(residual)
+        next_norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, next_norm in zip(self.layers, next_norms):
+            h, residual = layer(positions, h, residual, meta, next_norm)
+        return h
 
 
 def softcap_logits(logits: torch.Tensor, cap: float | None) -> torch.Tensor:

@@ -31,20 +31,22 @@ class RMSNorm(nn.Module):
 
 
 def reduce_add_norm(tp: TPGroup, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
-                    pre_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(pre_norm(all-reduce(x)) + residual), the stream after the add): one kernel where the
-    NVLink all-reduce takes x (`workers.parallel.NVLinkAllReduce`), else the all-reduce and the
-    norm kernels one after the other."""
+                    pre_norm: RMSNorm | None = None, reduce: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(pre_norm(all-reduce(x)) + residual), the stream after the add), x being partial sums
+    (`reduce`) or already whole. One kernel where it can: the NVLink all-reduce with the norms
+    fused (`workers.parallel.NVLinkAllReduce`), or after NCCL's all-reduce both norms in one
+    launch (`kernels.layernorm`); two norm launches only when the norms differ in form."""
     same = pre_norm is None or (pre_norm.eps == norm.eps and pre_norm.gemma == norm.gemma)
-    if tp.world_size > 1 and tp.custom is not None and same:
+    if reduce and tp.world_size > 1 and tp.custom is not None and same:
         fused = tp.custom.reduce_norm(x, residual, norm.weight, norm.eps, norm.gemma,
                                       None if pre_norm is None else pre_norm.weight)
         if fused is not None:
             return fused
-    x = tp.all_reduce(x)
-    if pre_norm is not None:
-        x = pre_norm(x)
-    return norm(x, residual)
+    if reduce:
+        x = tp.all_reduce(x)
+    if pre_norm is not None and same:
+        return rms_norm_op(x, norm.weight, norm.eps, residual, gemma=norm.gemma, pre_weight=pre_norm.weight)
+    return norm(x if pre_norm is None else pre_norm(x), residual)
 
 
 class LlamaMLP(nn.Module):
@@ -133,9 +135,7 @@ class LlamaDecoderLayer(nn.Module):
                       pre_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention output (partial sums when its all-reduce is deferred) through the norms
         that follow it and the residual add."""
-        if self.self_attn.o_proj.deferred:
-            return reduce_add_norm(self.tp, h, residual, norm, pre_norm)
-        return norm(h if pre_norm is None else pre_norm(h), residual)
+        return reduce_add_norm(self.tp, h, residual, norm, pre_norm, reduce=self.self_attn.o_proj.deferred)
 
     def forward(self, positions, x, residual, meta):
         if residual is None:
