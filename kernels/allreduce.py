@@ -25,9 +25,10 @@ orders the peers' partials (written before the kernel) before the loads; the end
 every peer's loads before any rank's next write into its buffer. Every rank must launch the same
 grid: the row count and the program cap are the same on every rank.
 
-Numerics: for two ranks the fp32 sum of two values of the buffer dtype is exact, so the rounded
-sum equals NCCL's; the norms follow `kernels.layernorm` (the residual sum rounded, the norm
-computed in fp32 from the rounded value).
+Numerics: for two ranks the sum is computed in fp32 and rounded once to the buffer dtype; fp32
+carries more than twice bf16's and fp16's precision plus two bits, so this equals the correctly
+rounded sum that NCCL returns. The norms follow `kernels.layernorm` (the residual sum rounded,
+the norm computed in fp32 from the rounded value), bit for bit (tests/test_allreduce_kernel.py).
 """
 from __future__ import annotations
 
@@ -86,8 +87,9 @@ def _one_shot_kernel(buf_ptrs, pad_ptrs, res_ptr, w1_ptr, w2_ptr, out_ptr, new_r
         acc = tl.zeros([BLOCK], tl.float32)
         for r in tl.static_range(WORLD):
             src = tl.load(buf_ptrs + r).to(tl.pointer_type(dtype))
-            # volatile: a peer's rows change between calls; no cached copy may be read.
-            acc += tl.load(src + offs, mask=mask, other=0.0, volatile=True).to(tl.float32)
+            # .cv: a peer's rows change between calls, no cached copy may be read (and unlike a
+            # volatile load it still vectorises).
+            acc += tl.load(src + offs, mask=mask, other=0.0, cache_modifier=".cv").to(tl.float32)
         x = acc.to(dtype).to(tl.float32)
         if HAS_NORM1:
             x = _norm(x, w1_ptr, cols, mask, n_cols, eps, GEMMA).to(dtype).to(tl.float32)

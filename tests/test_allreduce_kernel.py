@@ -1,10 +1,11 @@
 """The one-shot all-reduce kernel (kernels/allreduce.py) against its torch reference evaluated in
-float64, outputs poisoned before every call. Without a GPU it runs under Triton's interpreter
-with one rank (the barrier with itself, the sums and the fused norms). On a GPU the ranks are
-simulated on one device: each rank's buffer and signal pad are separate allocations, and each
-rank's kernel runs on its own stream, so the kernels meet in their barriers exactly as they do
-across GPUs (the two-GPU path through torch symmetric memory is tests/test_tensor_parallel.py's,
-on a host with two GPUs)."""
+float64, outputs poisoned before every call, and its fused norms bit for bit against the plain sum
+followed by the norm kernels (the tokens of a model must not depend on the fusion). Without a GPU
+it runs under Triton's interpreter with one rank (the barriers with itself, the sums and the
+fused norms). On a GPU the ranks are simulated on one device: each rank's buffer and flag array
+are separate allocations, and each rank's kernel runs on its own stream, so the kernels meet in
+their barriers as they do across GPUs (the two-GPU path through torch symmetric memory is
+tests/test_tensor_parallel.py's and tests/test_cuda_graphs.py's, on a host with two GPUs)."""
 from __future__ import annotations
 
 import contextlib
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from kernels.allreduce import PeerBuffers, all_reduce_rows, all_reduce_rows_ref, pad_slots
+from kernels.layernorm import rms_norm
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
@@ -88,6 +90,14 @@ def test_one_shot_all_reduce(world, dtype, fused, gemma):
                 assert rel_err(got, ref) < TOL[dtype]
             else:
                 assert rel_err(got[0], ref[0]) < TOL[dtype] and rel_err(got[1], ref[1]) < TOL[dtype]
+        if fused != "plain":  # the bits of the unfused chain: the plain sum, then the norm kernels
+            total = ranks.run(parts)[0]
+            if fused == "norm":
+                want = rms_norm(total, w2, eps, gemma=gemma)
+                assert torch.equal(outs[0], want)
+            else:
+                want = rms_norm(total, w2, eps, residual, gemma=gemma, pre_weight=w1)
+                assert torch.equal(outs[0][0], want[0]) and torch.equal(outs[0][1], want[1])
         for got in outs[1:]:  # every rank computes the same bits
             assert all(torch.equal(a, b) for a, b in zip(got if residual is not None else [got],
                                                           outs[0] if residual is not None else [outs[0]]))

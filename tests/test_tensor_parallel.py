@@ -98,3 +98,29 @@ def test_mamba_configs_that_cannot_be_sharded_are_refused():
         mamba_groups_per_rank(3, 12, 2)
     # Two ranks sharing a group still each hold a whole head range of it.
     MambaMixer2(64, shape, TPGroup(rank=1, world_size=4), torch.float32, "cpu", "model.layers.0.mamba")
+
+
+def test_only_a_forward_that_reduces_them_defers_the_all_reduces():
+    """At TP > 1 a layer defers o_proj's (and Gemma's down_proj's) all-reduce only when its own
+    forward reduces the output (fused with the norms after it); a subclass with a forward of its
+    own keeps the plain all-reduce, so nothing is left unreduced."""
+    from transformers import Gemma2Config, LlamaConfig
+
+    from distengine.kv_cache.model_config import FULL
+    from workers.models.gemma2 import Gemma2DecoderLayer
+    from workers.models.llama import LlamaDecoderLayer
+
+    small = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                 num_hidden_layers=1, vocab_size=100, head_dim=16)
+    args = (0, FULL, TPGroup(0, 2), torch.float32, torch.device("cpu"), None)
+
+    class OwnForward(LlamaDecoderLayer):
+        def forward(self, positions, x, residual, meta):
+            return super().forward(positions, x, residual, meta)
+
+    assert LlamaDecoderLayer(LlamaConfig(**small), *args).self_attn.o_proj.deferred
+    assert not OwnForward(LlamaConfig(**small), *args).self_attn.o_proj.deferred
+    assert not LlamaDecoderLayer(LlamaConfig(**small), 0, FULL, TPGroup(), torch.float32, torch.device("cpu"),
+                                 None).self_attn.o_proj.deferred  # one rank: nothing to reduce
+    gemma = Gemma2DecoderLayer(Gemma2Config(**small), *args)
+    assert gemma.self_attn.o_proj.deferred and gemma.mlp.down_proj.deferred

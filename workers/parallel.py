@@ -91,8 +91,12 @@ class NVLinkAllReduce:
             return None
         return self.buffer[: rows * cols].view(rows, cols)
 
+    MAX_COLS = 16384  # a row is one program's block of registers
+
     def _rows_in_buffer(self, x: torch.Tensor) -> tuple[int, int] | None:
-        if not x.is_cuda or x.dim() < 1 or x.shape[-1] == 0:
+        """x's rows copied into the buffer where they are not already: (rows, cols), or None
+        when this all-reduce cannot take x (the caller uses NCCL)."""
+        if not x.is_cuda or x.dim() < 2 or not 0 < x.shape[-1] <= self.MAX_COLS:
             return None
         cols = x.shape[-1]
         rows = x.numel() // cols
@@ -114,8 +118,10 @@ class NVLinkAllReduce:
                     gemma: bool, pre_norm: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(norm(pre_norm(sum(x)) + residual), the stream after the add) in one kernel, or None."""
         from kernels.allreduce import all_reduce_rows
+        if residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous():
+            return None
         shape = self._rows_in_buffer(x)
-        if shape is None or residual.shape != x.shape or not residual.is_contiguous():
+        if shape is None:
             return None
         out, new_res = all_reduce_rows(self.peers, *shape, x.dtype, x.device, residual=residual.view(shape),
                                        norm1=pre_norm, norm2=norm, eps=eps, gemma=gemma)

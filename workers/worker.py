@@ -106,12 +106,19 @@ class Worker:
         from workers.loader import load_hf_config, resolve_dtype, resolve_model_path
         from workers.parallel import NVLinkAllReduce
         dtype = resolve_dtype(load_hf_config(resolve_model_path(self.config.model)), self.config.dtype, self.device)
+        import torch.distributed as dist
+        custom = None
         try:
-            return NVLinkAllReduce(self.device, dtype, CUSTOM_ALL_REDUCE_MAX_BYTES)
+            custom = NVLinkAllReduce(self.device, dtype, CUSTOM_ALL_REDUCE_MAX_BYTES)
         except Exception as e:  # noqa: BLE001 - no P2P, no symmetric memory: NCCL does it all
             print(f"rank {self.rank}: the NVLink all-reduce is unavailable ({type(e).__name__}: {e}); using NCCL",
                   file=sys.stderr)
-            return None
+        # Every rank or none: one rank in the NVLink kernel while another waits in NCCL would hang both.
+        ok = torch.tensor([int(custom is not None)], dtype=torch.int32)  # a CPU tensor: through gloo
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if not ok.item() and custom is not None:
+            print(f"rank {self.rank}: another rank cannot use the NVLink all-reduce; using NCCL", file=sys.stderr)
+        return custom if ok.item() else None
 
     def determine_num_blocks(self) -> int:
         return self.runner.determine_num_blocks()

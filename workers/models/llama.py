@@ -128,8 +128,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device, gemma=self.gemma_norm)
         self.tp = tp
         # The attention's all-reduce is fused with the residual add and the norm after it.
-        if tp.world_size > 1 and self.self_attn.o_proj.bias is None:
+        if tp.world_size > 1 and self.self_attn.o_proj.bias is None and self.forward_declares("reduces_attention"):
             self.self_attn.o_proj.defer_reduce()
+
+    # What this class's own forward all-reduces itself (a deferred output nobody reduces would be
+    # wrong, silently): a subclass that writes its own forward declares it again, or nothing is
+    # deferred.
+    reduces_attention = True
+
+    def forward_declares(self, name: str) -> bool:
+        owner = next(c for c in type(self).__mro__ if "forward" in vars(c))
+        return bool(vars(owner).get(name, False))
 
     def attention_out(self, h: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
                       pre_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
