@@ -104,10 +104,12 @@ def test_rms_norm(impl, dtype, hidden, fused_add, gemma, pre):
 
 
 @pytest.mark.parametrize("impl", [rms_norm, rms_norm_ref], ids=["triton", "torch"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_pre_norm_equals_two_norms(impl, dtype):
     """The fused first norm gives the bits of the two launches it replaces (a model's tokens do
-    not depend on the fusion)."""
+    not depend on the fusion). In the 16-bit dtypes the first norm's output is rounded before the
+    add; in fp32 nothing separates them and the GPU compiler may contract them into one FMA (an
+    ulp apart, as measured on an H200), so fp32 is held to the float64 oracle above instead."""
     x, residual = randn(7, 256, dtype=dtype) * 3, randn(7, 256, dtype=dtype)
     w, pw = ((1 + 0.2 * torch.randn(256, device=DEVICE)).to(dtype) for _ in range(2))
     fused = impl(x, w, 1e-6, residual, gemma=True, pre_weight=pw)
