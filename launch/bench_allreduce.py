@@ -127,7 +127,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--hidden", type=int, default=3840)
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128, 256, 1024])
+    # Decode sizes, then one 8,192-token prefill step's (where NCCL's bandwidth is what counts).
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128, 256, 1024, 8192])
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "allreduce.json"))
     args = p.parse_args()
     if torch.cuda.device_count() < args.world_size:
