@@ -59,6 +59,7 @@ class NVLinkAllReduce:
     of another dtype, or on the CPU get None back: the caller uses NCCL."""
 
     MAX_PROGRAMS = 128  # one program per row up to this many rows; the rest loop
+    MAX_COLS = 16384  # a row is one program's block of registers
 
     def __init__(self, device: torch.device, dtype: torch.dtype, max_bytes: int, group: Any = None) -> None:
         import torch.distributed._symmetric_memory as symm_mem
@@ -90,8 +91,6 @@ class NVLinkAllReduce:
         if dtype != self.dtype or device != self.device or rows * cols > self.max_numel or rows * cols == 0:
             return None
         return self.buffer[: rows * cols].view(rows, cols)
-
-    MAX_COLS = 16384  # a row is one program's block of registers
 
     def _rows_in_buffer(self, x: torch.Tensor) -> tuple[int, int] | None:
         """x's rows copied into the buffer where they are not already: (rows, cols), or None
