@@ -158,21 +158,24 @@ def _moe_gemm_kernel(a_ptr, w_ptr, b_ptr, c_ptr, rw_ptr, rows_ptr, bexp_ptr, N, 
 
 
 # Rows per expert (pairs / E) up to which moe_config picks 16-row tiles, then 32-row ones.
-ROW_BANDS = (12, 24)
+ROW_BANDS = (12, 24, 64)
 
 
 def moe_config(num_pairs: int, num_experts: int) -> dict:
-    """Tiles by the rows each expert gets (pairs / E), from an H200 sweep in CUDA graphs at the
-    shapes of kernels/bench_moe.py, 1-256 tokens (tests/gpu/sweep_moe.py): up to 12 rows 16-row
-    tiles (a decode step's tiles are mostly padding; a larger one would only multiply zeros), to
-    24 rows 32-row tiles, beyond 64 (within 3% of each point's best tiles, where the rule of
-    pairs <= 4 E before lost up to 8%)."""
+    """Tiles by the rows each expert gets (pairs / E), from H200 sweeps in CUDA graphs at the
+    shapes of kernels/bench_moe.py (tests/gpu/sweep_moe.py): up to 12 rows 16-row tiles (a decode
+    step's tiles are mostly padding; a larger one would only multiply zeros), to 24 rows 32-row
+    tiles, to 64 rows 64-row tiles (1-256 tokens: within 3% of each point's best tiles, where the
+    rule of pairs <= 4 E before lost up to 8%); beyond, prefill steps, 128 x 256 tiles (1,024 to
+    8,192 tokens: within 2% of each point's best, 1.2-1.4x faster than 64 x 128 from 4,096 tokens)."""
     rows = num_pairs / num_experts
     if rows <= ROW_BANDS[0]:
         return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
     if rows <= ROW_BANDS[1]:
         return {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
-    return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
+    if rows <= ROW_BANDS[2]:
+        return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
+    return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
 
 
 def tokens_per_tile_band(num_experts: int, top_k: int) -> list[int]:

@@ -130,13 +130,26 @@ def test_grouped_gemm_writes_each_pair_row_once_and_nothing_else(a_row_div, rout
 
 
 def test_moe_config_rule_and_empty_batch():
-    assert [moe_config(pairs, 64)["BLOCK_M"] for pairs in (6, 768, 769, 1536, 1537)] == [16, 16, 32, 32, 64]
+    assert [moe_config(pairs, 64)["BLOCK_M"] for pairs in (6, 768, 769, 1536, 1537, 4096, 4097)] == \
+        [16, 16, 32, 32, 64, 64, 128]
     for e, k in ((64, 6), (32, 4), (8, 2), (128, 1)):  # warm-up batches: one in each band
-        assert [moe_config(t * k, e)["BLOCK_M"] for t in tokens_per_tile_band(e, k)] == [16, 32, 64]
+        assert [moe_config(t * k, e)["BLOCK_M"] for t in tokens_per_tile_band(e, k)] == [16, 32, 64, 128]
     w13, w2 = expert_weights(4, 8, 16, torch.float32, seed=0)
     x = torch.zeros(0, 16, device=DEVICE)
     ids = torch.zeros(0, 2, dtype=torch.int64, device=DEVICE)
     assert fused_experts(x, w13, w2, ids.float(), ids, silu_and_mul).shape == (0, 16)
+
+
+def test_default_tiles_of_every_band():
+    """`fused_experts` with the tiles it picks itself, one batch in each band (prefill's 128 x 256
+    tiles included), against the float64 loop."""
+    e, k, h, inter = 4, 2, 64, 32
+    w13, w2 = expert_weights(e, inter, h, torch.float32, seed=5)
+    for t in tokens_per_tile_band(e, k):
+        x = torch.randn(t, h, generator=torch.Generator().manual_seed(t)).to(DEVICE)
+        weights, ids = routing(t, e, k, seed=t)
+        out = fused_experts(x, w13, w2, weights, ids, silu_and_mul)
+        assert rel_err(out, oracle(x, w13, w2, weights, ids)) < TOL[torch.float32], t
 
 
 def test_fused_experts_bad_arguments():
