@@ -161,19 +161,21 @@ def _moe_gemm_kernel(a_ptr, w_ptr, b_ptr, c_ptr, rw_ptr, rows_ptr, bexp_ptr, N, 
 ROW_BANDS = (12, 24, 64)
 
 
-def moe_config(num_pairs: int, num_experts: int) -> dict:
+def moe_config(num_pairs: int, num_experts: int, itemsize: int = 2) -> dict:
     """Tiles by the rows each expert gets (pairs / E), from H200 sweeps in CUDA graphs at the
     shapes of kernels/bench_moe.py (tests/gpu/sweep_moe.py): up to 12 rows 16-row tiles (a decode
     step's tiles are mostly padding; a larger one would only multiply zeros), to 24 rows 32-row
     tiles, to 64 rows 64-row tiles (1-256 tokens: within 3% of each point's best tiles, where the
     rule of pairs <= 4 E before lost up to 8%); beyond, prefill steps, 128 x 256 tiles (1,024 to
-    8,192 tokens: within 2% of each point's best, 1.2-1.4x faster than 64 x 128 from 4,096 tokens)."""
+    8,192 tokens: within 2% of each point's best, 1.2-1.4x faster than 64 x 128 from 4,096 tokens)
+    for 16-bit operands; 4-byte ones (fp32 tests) keep 64 x 128, whose 4 stages fit in shared
+    memory where 128 x 256 would need 384 KB."""
     rows = num_pairs / num_experts
     if rows <= ROW_BANDS[0]:
         return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
     if rows <= ROW_BANDS[1]:
         return {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
-    if rows <= ROW_BANDS[2]:
+    if rows <= ROW_BANDS[2] or itemsize > 2:
         return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
     return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
 
@@ -227,7 +229,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     e, two_i, h = w13.shape
     if t == 0:
         return x.new_zeros((0, h))
-    cfg = config or moe_config(t * k, e)
+    cfg = config or moe_config(t * k, e, x.element_size())
     rows, block_expert = moe_align(topk_ids, e, cfg["BLOCK_M"])
     x = x if x.stride(1) == 1 else x.contiguous()
     gate_up = torch.empty((t * k, two_i), dtype=x.dtype, device=x.device)

@@ -134,22 +134,24 @@ def test_moe_config_rule_and_empty_batch():
         [16, 16, 32, 32, 64, 64, 128]
     for e, k in ((64, 6), (32, 4), (8, 2), (128, 1)):  # warm-up batches: one in each band
         assert [moe_config(t * k, e)["BLOCK_M"] for t in tokens_per_tile_band(e, k)] == [16, 32, 64, 128]
+    assert moe_config(4097, 64, itemsize=4)["BLOCK_M"] == 64  # fp32's tiles must fit in shared memory
     w13, w2 = expert_weights(4, 8, 16, torch.float32, seed=0)
     x = torch.zeros(0, 16, device=DEVICE)
     ids = torch.zeros(0, 2, dtype=torch.int64, device=DEVICE)
     assert fused_experts(x, w13, w2, ids.float(), ids, silu_and_mul).shape == (0, 16)
 
 
-def test_default_tiles_of_every_band():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_default_tiles_of_every_band(dtype):
     """`fused_experts` with the tiles it picks itself, one batch in each band (prefill's 128 x 256
-    tiles included), against the float64 loop."""
+    tiles included for 16-bit operands), against the float64 loop."""
     e, k, h, inter = 4, 2, 64, 32
-    w13, w2 = expert_weights(e, inter, h, torch.float32, seed=5)
+    w13, w2 = expert_weights(e, inter, h, dtype, seed=5)
     for t in tokens_per_tile_band(e, k):
-        x = torch.randn(t, h, generator=torch.Generator().manual_seed(t)).to(DEVICE)
+        x = torch.randn(t, h, generator=torch.Generator().manual_seed(t)).to(DEVICE, dtype)
         weights, ids = routing(t, e, k, seed=t)
-        out = fused_experts(x, w13, w2, weights, ids, silu_and_mul)
-        assert rel_err(out, oracle(x, w13, w2, weights, ids)) < TOL[torch.float32], t
+        out = fused_experts(x, w13, w2, weights.to(dtype), ids, silu_and_mul)
+        assert rel_err(out, oracle(x, w13, w2, weights.to(dtype), ids)) < TOL[dtype], (t, dtype)
 
 
 def test_fused_experts_bad_arguments():
