@@ -167,7 +167,7 @@ def moe_config(num_pairs: int, num_experts: int, itemsize: int = 2) -> dict:
     step's tiles are mostly padding; a larger one would only multiply zeros), to 24 rows 32-row
     tiles, to 64 rows 64-row tiles (1-256 tokens: within 3% of each point's best tiles, where the
     rule of pairs <= 4 E before lost up to 8%); beyond, prefill steps, 128 x 256 tiles (1,024 to
-    8,192 tokens: within 2% of each point's best, 1.2-1.4x faster than 64 x 128 from 4,096 tokens)
+    8,192 tokens: within 2.1% of each point's best, 1.1-1.4x faster than 64 x 128 from 4,096 tokens)
     for 16-bit operands; 4-byte ones (fp32 tests) keep 64 x 128, whose 4 stages fit in shared
     memory where 128 x 256 would need 384 KB."""
     rows = num_pairs / num_experts
