@@ -8,7 +8,7 @@ pairs are sorted by expert and each expert's run padded to whole BLOCK_M tiles (
 so a program multiplies one tile of rows that all use one expert's weights, and reads only the
 weights of experts that some token chose. The first launch gives [T*k, 2I] (gate | up), the
 activation kernel [T*k, I], the second launch [T*k, H] already scaled by the routing weights,
-and a sum over k gives [T, H]. Every shape is fixed by T, k, E and BLOCK_M (the alignment is one
+and a sum over k (one more launch) gives [T, H]. Every shape is fixed by T, k, E and BLOCK_M (the alignment is one
 Triton program for a decode step's few pairs, torch ops of static shape beyond), so a decode
 step with experts is captured in a CUDA graph like any other. `fused_experts_ref` is the plain
 loop over experts (the engine's path on CPU, and the tests' oracle).
@@ -218,6 +218,28 @@ def _check(x, w13, w2, topk_weights, topk_ids, b13, b2) -> None:
         raise TypeError(f"x and the expert weights need one dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
 
 
+@triton.jit
+def _moe_sum_kernel(src_ptr, dst_ptr, h, K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    """dst[t] = sum_j src[t * K + j] in fp32, rounded once."""
+    pdl_wait(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < h
+    acc = tl.zeros([BLOCK_H], tl.float32)
+    for j in tl.static_range(K):
+        acc += tl.load(src_ptr + (t * K + j) * h + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst_ptr + t * h + cols, acc.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+def _sum_over_k(out: torch.Tensor, t: int, k: int) -> torch.Tensor:
+    """[t * k, H] -> [t, H]: one launch (a torch sum in fp32 and the cast back would be two)."""
+    h = out.shape[1]
+    y = torch.empty((t, h), dtype=out.dtype, device=out.device)
+    block = min(1024, triton.next_power_of_2(h))
+    _moe_sum_kernel[(t, triton.cdiv(h, block))](out, y, h, K=k, BLOCK_H=block, num_warps=4, **pdl_args(out))
+    return y
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, act_and_mul, b13: torch.Tensor | None = None,
                   b2: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
@@ -237,7 +259,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     inter = act_and_mul(gate_up)
     out = torch.empty((t * k, h), dtype=x.dtype, device=x.device)
     _grouped_gemm(inter, w2, b2, rows, block_expert, out, topk_weights.reshape(-1).contiguous(), 1, cfg)
-    return out.view(t, k, h).sum(1, dtype=torch.float32).to(x.dtype)
+    return _sum_over_k(out, t, k)
 
 
 def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

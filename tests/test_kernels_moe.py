@@ -8,6 +8,7 @@ import torch
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.fused_moe import (_grouped_gemm, fused_experts, fused_experts_ref, moe_align, moe_align_kernel,
                                moe_align_torch, moe_config, tokens_per_tile_band)
+from kernels.moe_routing import topk_softmax, topk_softmax_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
@@ -152,6 +153,34 @@ def test_default_tiles_of_every_band(dtype):
         weights, ids = routing(t, e, k, seed=t)
         out = fused_experts(x, w13, w2, weights.to(dtype), ids, silu_and_mul)
         assert rel_err(out, oracle(x, w13, w2, weights.to(dtype), ids)) < TOL[dtype], (t, dtype)
+
+
+@pytest.mark.parametrize("impl", [topk_softmax, topk_softmax_ref], ids=["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("t,e,k", [(1, 64, 6), (5, 32, 4), (37, 72, 10), (3, 8, 1), (2, 128, 8), (4, 6, 6)])
+def test_topk_softmax(impl, dtype, t, e, k):
+    """Each token's k largest logits (largest first), their experts, and the softmax over the k,
+    against a float64 evaluation; outputs poisoned."""
+    g = torch.Generator().manual_seed(t * e + k)
+    # Distinct values, exact in bf16 (torch orders equal logits as it likes; ties are tested below).
+    logits = torch.stack([torch.randperm(e, generator=g) for _ in range(t)]).sub(e / 2).div(8).to(DEVICE, dtype)
+    weights, ids = impl(logits, k, dtype)
+    top, want_ids = logits.double().topk(k, dim=-1)
+    assert torch.equal(ids.cpu(), want_ids.cpu())
+    assert weights.dtype == dtype and ids.dtype == torch.int64
+    torch.testing.assert_close(weights.double(), torch.softmax(top, dim=-1), rtol=TOL[dtype], atol=TOL[dtype] / 10)
+
+
+def test_topk_softmax_ties_and_bad_arguments():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0]], device=DEVICE)
+    weights, ids = topk_softmax(logits, 3, torch.float32)
+    assert ids.tolist() == [[1, 2, 4]]  # equal logits: the lower expert first
+    torch.testing.assert_close(weights, torch.full((1, 3), 1 / 3, device=DEVICE))
+    assert topk_softmax(torch.zeros(0, 5, device=DEVICE), 2, torch.float32)[1].shape == (0, 2)
+    with pytest.raises(ValueError, match="experts per token must be 1 to 5"):
+        topk_softmax(logits, 6, torch.float32)
+    with pytest.raises(ValueError, match=r"\[tokens, experts\]"):
+        topk_softmax(logits[0], 2, torch.float32)
 
 
 def test_fused_experts_bad_arguments():

@@ -1,7 +1,7 @@
 """On a GPU: wall time against device-busy time of decode steps (torch.profiler), the kernels that
 take the time, and the step time without the profiler.
 
-    python tests/gpu/profile_decode.py MODEL_DIR [--batch 1 128] [--load-format dummy] [--tp 1] [--eager]
+    python tests/gpu/profile_decode.py MODEL_DIR [--batch 1 128] [--load-format dummy] [--tp 1] [--eager] [--top 10]
 
 With programmatic dependent launch (kernels/pdl.py, on Hopper) a kernel starts before the one
 before it ends and its time includes that wait, so the kernels' times add up to more than the
@@ -32,6 +32,7 @@ def main() -> int:
     p.add_argument("--load-format", default="auto")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--eager", action="store_true")
+    p.add_argument("--top", type=int, default=10, help="kernels listed per batch")
     args = p.parse_args()
     with LLM(args.model, tensor_parallel_size=args.tp, load_format=args.load_format, max_model_len=1024,
              enforce_eager=args.eager) as llm:
@@ -62,7 +63,7 @@ def main() -> int:
             launches = sum(e.count for e in events) / 20
             print(f"\nB={b} TP={args.tp}: decode step {plain * 1e3:.2f} ms (no profiler); kernel time {busy:.2f} ms "
                   f"per step in ~{launches:.0f} kernels (with PDL it includes their waits)")
-            for e in sorted(events, key=device_us, reverse=True)[:10]:
+            for e in sorted(events, key=device_us, reverse=True)[:args.top]:
                 print(f"  {device_us(e) / 20 / 1e3:7.3f} ms  x{e.count / 20:5.0f}  {e.key[:90]}")
             core.abort([r.request_id for r in reqs])
             while core.scheduler.has_in_flight() or core.has_unfinished():

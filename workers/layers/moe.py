@@ -14,12 +14,13 @@ import torch
 from torch import nn
 
 from kernels.fused_moe import tokens_per_tile_band
-from workers.ops import act_and_mul, fused_experts_op, linear_op
+from workers.ops import act_and_mul, fused_experts_op, linear_op, topk_softmax_op
 from workers.parallel import TPGroup, split_evenly
 
 
 class Router(nn.Module):
-    """The router's logits, x R^T (+ b) in float32 (replicated on every rank)."""
+    """The router's logits, x R^T (+ b) in x's dtype (replicated on every rank); the choice
+    (`FusedMoE`) reads them in float32."""
 
     def __init__(self, hidden: int, num_experts: int, dtype: torch.dtype, device: torch.device,
                  bias: bool = False) -> None:
@@ -29,7 +30,7 @@ class Router(nn.Module):
             if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_op(x, self.weight, self.bias).float()
+        return linear_op(x, self.weight, self.bias)
 
 
 class FusedMoE(nn.Module):
@@ -81,13 +82,13 @@ class FusedMoE(nn.Module):
             param.data[:, self.size:].copy_(full.narrow(1, self.intermediate + self.start, self.size))
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        top, ids = router_logits.topk(self.top_k, dim=-1)
-        return fused_experts_op(x, self.w13, self.w2, torch.softmax(top, dim=-1).to(x.dtype), ids, self.act,
-                                self.b13, self.b2 if self.first_rank else None)
+        weights, ids = topk_softmax_op(router_logits, self.top_k, x.dtype)
+        return fused_experts_op(x, self.w13, self.w2, weights, ids, self.act, self.b13,
+                                self.b2 if self.first_rank else None)
 
     def compile_variants(self) -> None:
         """Run one batch in each tile band of the kernels (they pick their tiles by the rows
         each expert gets), so that no prefill compiles a kernel while serving."""
         for t in tokens_per_tile_band(self.num_experts, self.top_k):
             x = torch.zeros(t, self.hidden, dtype=self.w13.dtype, device=self.w13.device)
-            self(x, torch.randn(t, self.num_experts, device=x.device))
+            self(x, torch.randn(t, self.num_experts, device=x.device).to(x.dtype))  # the router's dtype
