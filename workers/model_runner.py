@@ -108,6 +108,7 @@ class ModelRunner:
         self.kv_pool: torch.Tensor | None = None
         self.num_blocks = 0
         self.graph_memory_bytes = 0
+        self.memory_note = ""  # how the KV cache's share of a GPU was found, for a refusal's message
 
     # ---- KV cache ------------------------------------------------------------------------
     def determine_num_blocks(self) -> int:
@@ -127,6 +128,11 @@ class ModelRunner:
             used_by_others = total - free - torch.cuda.memory_reserved(self.device)
             budget = (total * cfg.gpu_memory_utilization - torch.cuda.max_memory_allocated(self.device)
                       - used_by_others - self.graph_memory_bytes)
+            g = 2 ** 30
+            self.memory_note = (f"{cfg.gpu_memory_utilization} x {total / g:.1f} GiB, less the peak of the "
+                                f"profiling pass {torch.cuda.max_memory_allocated(self.device) / g:.2f} GiB, memory "
+                                f"outside PyTorch's allocator {used_by_others / g:.2f} GiB and the CUDA graphs "
+                                f"{self.graph_memory_bytes / g:.2f} GiB")
             if cfg.kv_cache_memory_bytes is not None:
                 room = free + torch.cuda.memory_reserved(self.device) - torch.cuda.max_memory_allocated(self.device) \
                     - self.graph_memory_bytes
@@ -167,6 +173,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             advice = ("raise gpu_memory_utilization (or set kv_cache_memory_bytes), use more GPUs "
                       "(tensor_parallel_size)")
+            if self.memory_note:
+                advice = f"(the cache's share: {self.memory_note}) {advice}"
         else:
             advice = "raise kv_cache_memory_bytes (or VLLM_CPU_KVCACHE_SPACE, in GiB)"
         total = need(self.plan.max_model_len)
