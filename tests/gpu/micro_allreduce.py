@@ -11,25 +11,11 @@ import torch
 
 from kernels.allreduce import PeerBuffers, all_reduce_rows, pad_slots
 from kernels.layernorm import rms_norm
+from tests.gpu.micro_b1 import graph_time_us
 
 
 def graph_us(fn, reps: int = 64) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(10):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / reps)
-    return sorted(times)[len(times) // 2]
+    return graph_time_us([fn] * reps)
 
 
 def one_rank(hidden: int = 3840) -> None:
