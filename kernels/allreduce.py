@@ -12,8 +12,8 @@ Why: at decode sizes (a few KB to a MB) an all-reduce is latency: NCCL takes 12-
 inside a CUDA graph on two H200s (`launch/bench_allreduce.py`), most of it fixed cost, and a
 decode step of a 48-layer model makes 96 of them. The one-shot kernel reads the peer's rows
 once, with no intermediate copies; fused with the norms it also saves their launches and their
-passes over the rows (with PDL in a CUDA graph a norm launch alone costs next to nothing on one
-GPU; after an all-reduce it waits for the collective instead of overlapping it).
+passes over the rows (with PDL in a CUDA graph a norm launch alone cost next to nothing on one
+GPU; after NCCL's kernel, which takes no part in PDL, it cannot start early).
 
 The barrier (one per program, matched by program id across ranks; vLLM's custom all-reduce
 uses the same scheme): program p keeps a call counter in its rank's flag array; each barrier takes
