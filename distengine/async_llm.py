@@ -20,21 +20,21 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from distengine.config import EngineConfig
 from distengine.core_client import EngineClient, ProcessEngineClient, ThreadEngineClient
-from distengine.engine_loop import unpack_updates
+from distengine.engine_messages import (AbortRequest, AddRequest, EngineDied, EngineEvent, FinishRequest, IdleStats,
+                                        Refused, StepOutputs)
 from distengine.executor import EngineDeadError
 from distengine.inputs import InputProcessor
-from distengine.llm import eos_token_ids, load_tokenizer
+from distengine.hf_config import load_tokenizer_and_eos
 from distengine.metrics import EngineMetrics, StatsLogger
 from distengine.output_processor import OutputProcessor
 from distengine.outputs import CompletionOutput, RequestOutput
 from distengine.sampling_params import SamplingParams
 from distengine.scheduler import EngineRequest, SchedulerStats
-from workers.loader import load_hf_config, resolve_model_path, text_config
 
 
 @dataclass
@@ -99,9 +99,7 @@ class AsyncLLM:
                  engine_process: bool | None = None, **options) -> None:
         self.stats_logger = StatsLogger(log_stats_interval) if log_stats_interval is not None else None
         self.config = EngineConfig.create(model, **options)
-        path = resolve_model_path(self.config.model)
-        self.tokenizer = load_tokenizer(self.config.tokenizer or str(path))
-        self.eos_token_ids = eos_token_ids(path, text_config(load_hf_config(path)))
+        self.tokenizer, self.eos_token_ids = load_tokenizer_and_eos(self.config)
         self.max_model_len = self.config.max_model_len
         self.outputs = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics(metrics_name or self.config.model)
@@ -119,9 +117,8 @@ class AsyncLLM:
             engine_process = engine_process_default()
         client = ProcessEngineClient if engine_process else ThreadEngineClient
         self.engine: EngineClient = client(self.config, self._on_message)
-        self.plan, self.plan_info = self.engine.plan, self.engine.plan_info
-        self.vocab_size = self.plan_info["vocab_size"]
-        self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len)
+        self.info = self.engine.info
+        self.inputs = InputProcessor(self.tokenizer, self.info.vocab_size, self.max_model_len)
 
     # ---- the event loop's side -------------------------------------------------------------
     def check(self, prompt, sampling_params: SamplingParams, index: int = 0) -> tuple[str | None, list[int]]:
@@ -148,8 +145,8 @@ class AsyncLLM:
         if self.dead is not None:  # it died while this one was being registered
             self._forget(engine_id)
             raise self.dead
-        self.engine.send(("add", EngineRequest(engine_id, ids, sampling=sampling_params,
-                                               eos_token_ids=self.eos_token_ids)))
+        self.engine.send(AddRequest(EngineRequest(engine_id, ids, sampling=sampling_params,
+                                                  eos_token_ids=self.eos_token_ids)))
         finished = False
         held = None  # an error found while merging, raised after what came before it
         try:
@@ -181,10 +178,11 @@ class AsyncLLM:
 
     def _abort(self, engine_id: str) -> None:
         if self._forget(engine_id):
-            self.engine.send(("abort", engine_id))
+            self.engine.send(AbortRequest(engine_id))
 
-    def collective_rpc(self, method: str, args: tuple = (), ranks: list[int] | None = None) -> list:
-        """`Worker.method(*args)` on the given ranks (default: all), between two steps."""
+    def collective_rpc(self, method: str | Callable, args: tuple = (), ranks: list[int] | None = None) -> list:
+        """`Worker.method(*args)`, or `method(worker, *args)` for a function, on the given ranks
+        (default: all), between two steps."""
         self._raise_if_dead()
         return self.engine.call("collective_rpc", method, args, ranks).result()
 
@@ -214,27 +212,25 @@ class AsyncLLM:
         self._end_streams(EngineDeadError("the engine shut down"))
 
     # ---- the engine's messages (from its thread, or from the thread reading its process) ------
-    def _on_message(self, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "out":
-            self._on_step(unpack_updates(msg[1]), msg[2])
-        elif kind == "stats":
-            self._record_state(msg[1])
-        elif kind == "refused":
-            _, rid, error = msg
-            stream = self._streams.get(rid)
-            if self._forget(rid) and stream is not None:
-                self._outbox.put(stream, error)
+    def _on_message(self, msg: EngineEvent) -> None:
+        if isinstance(msg, StepOutputs):
+            self._on_step(msg.updates(), msg.stats)
+        elif isinstance(msg, IdleStats):
+            self._record_state(msg.stats)
+        elif isinstance(msg, Refused):
+            stream = self._streams.get(msg.request_id)
+            if self._forget(msg.request_id) and stream is not None:
+                self._outbox.put(stream, msg.error)
                 self._outbox.flush()
-        elif kind == "dead":
-            self.dead = msg[1]
+        elif isinstance(msg, EngineDied):
+            self.dead = msg.error
             self._end_streams(self.dead)
 
     def _on_step(self, updates, stats: SchedulerStats) -> None:
         now = time.monotonic()
         finished, stops, touched = self.outputs.process(updates, now)
         for rid, matched in stops:
-            self.engine.send(("finish", rid, matched))
+            self.engine.send(FinishRequest(rid, matched))
         self.metrics.count_generated(len(touched))  # one token each: one counter update per step
         for st in touched:
             self._record_token(st, now)

@@ -3,15 +3,17 @@
 `EngineConfig.create(model, **options)` validates every option, reads the model's config.json
 (through the driver's own copy: a folder, or the Hugging Face cache / hub), checks
 `max_model_len` against the model's positions, and fills in the derived values (the CUDA graph
-batch sizes). The result is a frozen dataclass that travels to every worker as plain data. It
-keeps `model` and `device` as the user gave them: a hub id is resolved and "auto" picks a device
-where each worker runs, not on the driver; so is the default token budget, which depends on the
-GPU (`default_batched_tokens`), and the engine's scheduler takes it from the workers.
+batch sizes). The result is a frozen dataclass that travels to every worker as plain data.
+Two values depend on where the workers run and are resolved when that is known, each in one
+place here: the device and dtype by the executor (`placed`), the token budget from the devices
+the workers report (`with_token_budget`).
 """
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+
+from distengine.worker_info import DeviceInfo
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -29,8 +31,8 @@ class EngineConfig:
     model: str                         # a folder or a hub id, as given (each worker resolves it)
     tokenizer: str | None = None       # None: the model's own
     tensor_parallel_size: int = 1
-    device: str = "auto"               # "auto", "cuda" or "cpu"; "auto" is resolved on each worker
-    dtype: str = "auto"
+    device: str = "auto"               # "auto", "cuda" or "cpu"; resolved by the executor (`placed`)
+    dtype: str = "auto"                # "auto" or a name in distengine.hf_config.DTYPES; resolved by `placed`
     block_size: int = 16
     max_model_len: int = 0             # resolved: the model's max_position_embeddings unless given
     gpu_memory_utilization: float = 0.9
@@ -43,7 +45,7 @@ class EngineConfig:
     # prefix hits; None or 0: no periodic ones; 1: every block.
     mamba_checkpoint_interval: int | None = None
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 0    # 0: resolved where the workers run (`default_batched_tokens`)
+    max_num_batched_tokens: int = 0    # 0: resolved for the workers' devices (`with_token_budget`)
     seed: int = 0
     ray_address: str | None = None
     placement_strategy: str = "PACK"
@@ -62,8 +64,8 @@ class EngineConfig:
     @classmethod
     def create(cls, model: str, **options) -> "EngineConfig":
         """Checks every option (ValueError / TypeError naming it) and resolves the derived ones."""
-        from distengine.kv_cache.model_config import config_positions, max_positions
-        from workers.loader import load_hf_config, resolve_model_path
+        from distengine.hf_config import read_model_config, resolve_dtype
+        from distengine.model_config import config_positions, max_positions
 
         known = {f for f in cls.__dataclass_fields__}
         unknown = sorted(set(options) - known)
@@ -86,7 +88,9 @@ class EngineConfig:
         cfg = cls(model=str(model), **options)
         cfg._check()
         cfg._check_device()
-        hf = load_hf_config(resolve_model_path(cfg.model)).to_dict()
+        hf_config = read_model_config(cfg.model)
+        resolve_dtype(hf_config, cfg.dtype, "cpu")  # a dtype we cannot serve is refused now, not on a worker
+        hf = hf_config.to_dict()
         limit, source = max_positions(hf)
         max_len = cfg.max_model_len or min(limit, config_positions(hf)[0])
         if max_len > limit:
@@ -151,6 +155,36 @@ class EngineConfig:
         if index >= count:
             raise ValueError(f"device={self.device!r} but this machine has {count} CUDA GPU(s) (cuda:0..cuda:{count - 1})")
 
+    def placed(self, gpus_available: bool) -> "EngineConfig":
+        """This config for workers that run where GPUs are (or are not) available: the device
+        ("auto": a GPU where there is one) and the dtype ("auto": the checkpoint's, served as
+        bfloat16 on a GPU when it is float32) resolved. The executor calls it once it knows."""
+        from distengine.hf_config import dtype_name, read_model_config, resolve_dtype
+        device = self.device_for(gpus_available)
+        dtype = resolve_dtype(read_model_config(self.model), self.dtype, device.split(":")[0])
+        return replace(self, device=device, dtype=dtype_name(dtype))
+
+    def device_for(self, gpus_available: bool) -> str:
+        """The one rule for "auto": a GPU where there is one."""
+        if self.device != "auto":
+            return self.device
+        return "cuda" if gpus_available else "cpu"
+
+    def with_token_budget(self, devices: list[DeviceInfo]) -> "EngineConfig":
+        """A step's token budget where this config leaves it to us (0), for the workers' devices:
+        vLLM's defaults, 8192 on GPUs of 70 GiB or more (H100, H200; not A100s, on which vLLM
+        measured larger budgets lose: its PR 17885), else 2048. Bigger prefill steps run the
+        products at a higher rate and interleave fewer steps with the decodes (+8.6% `bench
+        throughput` at 8192 on an H200). At least max_model_len up to 8192 (such a prompt in one
+        step) and max_num_seqs (every running request decodes each step)."""
+        if self.max_num_batched_tokens:
+            return self
+        large = bool(devices) and all(d.is_cuda and d.total_memory >= LARGE_GPU_BYTES and "a100" not in d.name.lower()
+                                      for d in devices)
+        base = 8192 if large else 2048
+        budget = max(base, self.max_model_len if self.max_model_len <= 8192 else base, self.max_num_seqs)
+        return replace(self, max_num_batched_tokens=budget)
+
     @property
     def use_ray(self) -> bool:
         if self.distributed_executor_backend is not None:
@@ -159,21 +193,3 @@ class EngineConfig:
 
 
 LARGE_GPU_BYTES = 70 << 30
-
-
-def default_batched_tokens(config: EngineConfig, device) -> int:
-    """A step's token budget where `config` leaves it to us (0), on the device a worker runs on
-    (a `torch.device`): vLLM's defaults, 8192 on a GPU of 70 GiB or more (H100, H200; not A100s, on
-    which vLLM measured larger budgets lose: its PR 17885), else 2048. Bigger prefill steps run the
-    products at a higher rate and interleave fewer steps with the decodes (the README's H200
-    figures: +8.6% `bench throughput` at 8192). At least max_model_len up to 8192 (such a prompt
-    in one step) and max_num_seqs (every running request decodes each step)."""
-    if config.max_num_batched_tokens:
-        return config.max_num_batched_tokens
-    base = 2048
-    if getattr(device, "type", "cpu") == "cuda":
-        import torch
-        props = torch.cuda.get_device_properties(device)
-        if props.total_memory >= LARGE_GPU_BYTES and "a100" not in props.name.lower():
-            base = 8192
-    return max(base, config.max_model_len if config.max_model_len <= 8192 else base, config.max_num_seqs)

@@ -1,8 +1,8 @@
 """Where a serving engine's loop runs, seen from its front end (`AsyncLLM`): in a thread of this
 process (`ThreadEngineClient`), or in a process of its own (`ProcessEngineClient`, the default:
-vLLM's engine-core process). Both take the `distengine.engine_loop` commands through `send` and
-hand every message the loop emits to `on_message` (from the loop's thread, or from the thread
-that reads the process's messages); `call` runs one of the loop's utilities between two steps.
+vLLM's engine-core process). Both take the loop's commands (`distengine.engine_messages`) through
+`send` and hand every event the loop emits to `on_message` (from the loop's thread, or from the
+thread that reads the process's messages); `call` runs one of the loop's utilities between two steps.
 
 Why a process: the front end (HTTP, detokenization, streaming to hundreds of clients) is Python
 work, and in one process it shares the interpreter lock with the loop that launches the steps.
@@ -15,6 +15,7 @@ and exits when the front end's end closes (the front end died) or on SIGTERM.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import pickle
@@ -27,26 +28,31 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 from distengine.config import EngineConfig
+from distengine.engine_messages import (EngineCommand, EngineDied, EngineEvent, Ready, Reply, Shutdown, StartFailed,
+                                        UtilityCall)
 from distengine.executor import PROJECT_ROOT, EngineDeadError
+
+if TYPE_CHECKING:
+    from distengine.engine_core import EngineInfo
 
 
 class EngineClient:
-    """What the front end holds: `plan` and `plan_info` (as `EngineCore`'s), `send(command)`,
+    """What the front end holds: `info` (the engine's `EngineInfo`), `send(command)`,
     `call(method, *args) -> Future`, `shutdown()`."""
 
-    plan: object
-    plan_info: dict
+    info: EngineInfo
 
-    def __init__(self, on_message: Callable[[tuple], None]) -> None:
+    def __init__(self, on_message: Callable[[EngineEvent], None]) -> None:
         self._on_message = on_message
         self._calls: dict[int, Future] = {}
         self._call_ids = itertools.count()
         self._calls_lock = threading.Lock()  # a call is either answered or failed with the engine
         self._dead: BaseException | None = None
 
-    def send(self, command: tuple) -> None:
+    def send(self, command: EngineCommand) -> None:
         raise NotImplementedError
 
     def call(self, method: str, *args) -> Future:
@@ -58,54 +64,53 @@ class EngineClient:
                 return fut
             call_id = next(self._call_ids)
             self._calls[call_id] = fut
-        self.send(("call", call_id, method, args))
+        self.send(UtilityCall(call_id, method, args))
         return fut
 
     def shutdown(self) -> None:
         raise NotImplementedError
 
-    def _dispatch(self, msg: tuple) -> None:
-        if msg[0] == "reply":
-            _, call_id, error, value = msg
+    def _dispatch(self, msg: EngineEvent) -> None:
+        if isinstance(msg, Reply):
             with self._calls_lock:
-                fut = self._calls.pop(call_id, None)
+                fut = self._calls.pop(msg.call_id, None)
             if fut is None:
                 return
-            if error is not None:
-                fut.set_exception(error)
+            if msg.error is not None:
+                fut.set_exception(msg.error)
             else:
-                fut.set_result(value)
+                fut.set_result(msg.value)
             return
-        if msg[0] == "dead":
-            dead = msg[1] if isinstance(msg[1], EngineDeadError) else \
-                EngineDeadError(f"the engine loop failed: {msg[1]}", msg[1])
+        if isinstance(msg, EngineDied):
+            dead = msg.error if isinstance(msg.error, EngineDeadError) else \
+                EngineDeadError(f"the engine loop failed: {msg.error}", msg.error)
             with self._calls_lock:
                 self._dead, pending, self._calls = dead, self._calls, {}
             for fut in pending.values():
                 fut.set_exception(dead)
-            msg = ("dead", dead)
+            msg = EngineDied(dead)
         self._on_message(msg)
 
 
 class ThreadEngineClient(EngineClient):
     """The loop in a thread of this process (the engine's CUDA work happens here too)."""
 
-    def __init__(self, config: EngineConfig, on_message: Callable[[tuple], None]) -> None:
+    def __init__(self, config: EngineConfig, on_message: Callable[[EngineEvent], None]) -> None:
         from distengine.engine_core import EngineCore
         from distengine.engine_loop import EngineLoop
         super().__init__(on_message)
         self.core = EngineCore(config)
-        self.plan, self.plan_info = self.core.plan, self.core.executor.plan_info
+        self.info = self.core.info
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         loop = EngineLoop(self.core, self._inbox, self._dispatch)
         self._thread = threading.Thread(target=loop.run, name="distengine-engine", daemon=True)
         self._thread.start()
 
-    def send(self, command: tuple) -> None:
+    def send(self, command: EngineCommand) -> None:
         self._inbox.put(command)
 
     def shutdown(self) -> None:
-        self._inbox.put(("shutdown",))
+        self._inbox.put(Shutdown())
         self._thread.join(timeout=30)
         self.core.shutdown()
 
@@ -115,7 +120,7 @@ class ProcessEngineClient(EngineClient):
     engine is up (its workers loaded, the KV cache sized), and raises the engine's own error
     (a ValueError for a config it refuses, ...) when it could not start."""
 
-    def __init__(self, config: EngineConfig, on_message: Callable[[tuple], None]) -> None:
+    def __init__(self, config: EngineConfig, on_message: Callable[[EngineEvent], None]) -> None:
         super().__init__(on_message)
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
@@ -133,15 +138,15 @@ class ProcessEngineClient(EngineClient):
             self._stop_process(grace=0)
             self._conn.close()
             raise
-        if msg[0] != "ready":
+        if not isinstance(msg, Ready):
             self._stop_process(grace=30)
             self._conn.close()
-            raise msg[1]
-        _, self.plan, self.plan_info = msg
+            raise msg.error
+        self.info = msg.info
         self._reader = threading.Thread(target=self._read, name="distengine-engine-reader", daemon=True)
         self._reader.start()
 
-    def send(self, command: tuple) -> None:
+    def send(self, command: EngineCommand) -> None:
         data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
         try:
             with self._send_lock:
@@ -153,12 +158,12 @@ class ProcessEngineClient(EngineClient):
         if self._closing:
             return
         self._closing = True
-        self.send(("shutdown",))
+        self.send(Shutdown())
         self._stop_process(grace=60)
         self._conn.close()
 
     # ---- internals --------------------------------------------------------------------------
-    def _receive_while_alive(self) -> tuple:
+    def _receive_while_alive(self) -> Ready | StartFailed:
         """The process's first message (its start may take minutes: weights, graphs, Ray)."""
         while not self._conn.poll(0.5):
             if self._proc.poll() is not None:
@@ -181,16 +186,16 @@ class ProcessEngineClient(EngineClient):
                         status = f"status {self._proc.wait(timeout=10)}"
                     except subprocess.TimeoutExpired:
                         status = "it closed its end and still runs"
-                    self._dispatch(("dead", EngineDeadError(f"the engine process exited ({status})")))
+                    self._dispatch(EngineDied(EngineDeadError(f"the engine process exited ({status})")))
                 return
             try:
                 msg = pickle.loads(data)
                 self._dispatch(msg)
             except Exception as e:  # noqa: BLE001 - a front end that cannot take outputs ends the engine
-                self._dispatch(("dead", EngineDeadError(f"handling the engine's output failed: {e}", e)))
-                self.send(("shutdown",))
+                self._dispatch(EngineDied(EngineDeadError(f"handling the engine's output failed: {e}", e)))
+                self.send(Shutdown())
                 return
-            if msg[0] == "dead":
+            if isinstance(msg, EngineDied):
                 return
 
     def _stop_process(self, grace: float) -> None:
@@ -206,16 +211,17 @@ class ProcessEngineClient(EngineClient):
 
 
 # ---- the engine process ------------------------------------------------------------------------
-def _picklable(msg: tuple) -> bytes:
+def _picklable(msg: EngineEvent) -> bytes:
     """`msg` pickled; an error in it that does not survive the round trip (pickling, or building it
     again from its arguments) goes as a RuntimeError with its text."""
+    error = getattr(msg, "error", None)
     try:
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-        if any(isinstance(x, BaseException) for x in msg):
+        if error is not None:
             pickle.loads(data)
         return data
     except Exception:  # noqa: BLE001
-        fixed = tuple(RuntimeError(f"{type(x).__name__}: {x}") if isinstance(x, BaseException) else x for x in msg)
+        fixed = dataclasses.replace(msg, error=RuntimeError(f"{type(error).__name__}: {error}"))
         return pickle.dumps(fixed, protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -235,9 +241,9 @@ def _engine_process(fd: int) -> int:
     try:
         core = EngineCore(config)
     except BaseException as e:  # noqa: BLE001 - the front end raises it
-        conn.send_bytes(_picklable(("failed", e)))
+        conn.send_bytes(_picklable(StartFailed(e)))
         return 1
-    conn.send_bytes(pickle.dumps(("ready", core.plan, core.executor.plan_info)))
+    conn.send_bytes(pickle.dumps(Ready(core.info)))
     inbox: queue.SimpleQueue = queue.SimpleQueue()
 
     def receive() -> None:  # a thread: the front end's sends never wait for a step to end
@@ -245,7 +251,7 @@ def _engine_process(fd: int) -> int:
             try:
                 inbox.put(pickle.loads(conn.recv_bytes()))
             except (EOFError, OSError):  # the front end is gone
-                inbox.put(("shutdown",))
+                inbox.put(Shutdown())
                 return
 
     outbox: queue.SimpleQueue = queue.SimpleQueue()

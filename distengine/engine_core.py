@@ -10,22 +10,72 @@ it, each step's output is applied before the next one is scheduled.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from distengine.config import EngineConfig
 from distengine.executor import Executor, create_executor
+from distengine.hf_config import read_model_config, text_config
+from distengine.kv_cache.plan import KVCachePlan
+from distengine.kv_cache.sizing import engine_plan, num_blocks
 from distengine.scheduler import EngineRequest, RequestUpdate, Scheduler, SchedulerStats
+from distengine.worker_info import DeviceInfo, MemoryProfile
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What an engine decided at start-up and what its workers reported: for front ends (the
+    vocabulary their inputs are checked against) and benchmarks (the device, the weights' bytes)."""
+    config: EngineConfig            # as resolved: device, dtype, token budget
+    plan: KVCachePlan
+    num_blocks: int                 # per rank, the null block included
+    vocab_size: int
+    devices: list[DeviceInfo]       # per rank
+    memory: list[MemoryProfile]     # per rank
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        return self.devices[0].is_cuda and not self.config.enforce_eager
+
+
+def start_workers(config: EngineConfig, executor: Executor) -> EngineInfo:
+    """The decisions of start-up, once, on the driver, between the workers' steps: the token
+    budget for their devices, the plan, their model shards loaded, the blocks every rank holds
+    from the memory each measured, the cache allocated."""
+    config = config.placed(executor.gpus_available).with_token_budget(executor.devices)
+    text = text_config(read_model_config(config.model))
+    plan = engine_plan(config, text.to_dict())
+    memory = executor.load(config, plan)
+    blocks = num_blocks(config, plan, memory, executor.devices[0].is_cuda)
+    executor.allocate_kv_cache(blocks)
+    return EngineInfo(config, plan, blocks, int(text.vocab_size), executor.devices, memory)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step as the benchmarks time it."""
+    end_time: float  # perf_counter() once launched
+    num_seqs: int
+    num_tokens: int
+    decode_only: bool
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
-        self.config = config
+    """Owns the scheduler and the executor: starts the workers (`start_workers`), then runs the
+    loop one `step()` at a time."""
+
+    def __init__(self, config: EngineConfig, executor: Executor | None = None, info: EngineInfo | None = None) -> None:
+        """`info`: what was decided already (a test's fake executor and its own plan)."""
         self.executor = executor or create_executor(config)
-        self.plan = self.executor.plan  # the workers' KV cache plan: what the manager follows
-        # The token budget as the workers resolved it where they run (vLLM's default depends on the GPU).
-        self.scheduler = Scheduler(self.plan, self.executor.num_blocks, config.max_num_seqs,
-                                   self.executor.plan_info["max_num_batched_tokens"], config.enable_prefix_caching)
-        # Benchmarks set a list here: one (end time, sequences, tokens, decode only) per step.
-        self.step_log: list[tuple[float, int, int, bool]] | None = None
+        if info is None:
+            try:
+                info = start_workers(config, self.executor)
+            except BaseException:
+                self.executor.shutdown()
+                raise
+        self.info, self.config, self.plan = info, info.config, info.plan
+        self.scheduler = Scheduler(info.plan, info.num_blocks, info.config.max_num_seqs,
+                                   info.config.max_num_batched_tokens, info.config.enable_prefix_caching)
+        self.step_log: list[StepRecord] | None = None  # benchmarks set a list here
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
@@ -59,8 +109,8 @@ class EngineCore:
             return []
         output = self.executor.execute(plan)
         if self.step_log is not None and plan.scheduled:
-            self.step_log.append((time.perf_counter(), len(plan.scheduled), plan.num_tokens,
-                                  plan.num_tokens == len(plan.scheduled)))
+            self.step_log.append(StepRecord(time.perf_counter(), len(plan.scheduled), plan.num_tokens,
+                                            plan.num_tokens == len(plan.scheduled)))
         if output is None:
             return []
         return sched.update(output.step_id, output)

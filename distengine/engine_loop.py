@@ -1,13 +1,7 @@
 """The serving engine's busy loop: an `EngineCore` driven by messages, wherever it runs (a thread
-of the server's process, or a process of its own: `distengine.core_client`).
-
-In: `("add", EngineRequest)`, `("abort", request_id)`, `("finish", request_id, stop_string)` (a
-stop string the front end found), `("call", call_id, method, args)` (one of `UTILITIES`),
-`("shutdown",)`. Out, through `emit`: `("out", updates, stats)` after each step, `("stats", stats)`
-when the engine falls idle and every `idle_report_s` while it is, `("refused", request_id, error)`,
-`("reply", call_id, error, value)`, and `("dead", error)` as the last message when the engine
-failed. Commands are applied between steps: a request that arrives while a step runs joins the
-next one.
+of the server's process, or a process of its own: `distengine.core_client`). The messages are
+`distengine.engine_messages`'. Commands are applied between steps: a request that arrives while a
+step runs joins the next one.
 """
 from __future__ import annotations
 
@@ -15,14 +9,16 @@ import queue
 from collections.abc import Callable
 
 from distengine.engine_core import EngineCore
-from distengine.scheduler import RequestUpdate
+from distengine.engine_messages import (AbortRequest, AddRequest, EngineCommand, EngineDied, EngineEvent,
+                                        FinishRequest, IdleStats, Refused, Reply, Shutdown, StepOutputs,
+                                        UtilityCall)
 
 
 def _check_health(core: EngineCore) -> None:
     core.executor.check_health()
 
 
-def _collective_rpc(core: EngineCore, method: str, args: tuple = (), ranks: list[int] | None = None) -> list:
+def _collective_rpc(core: EngineCore, method, args: tuple = (), ranks: list[int] | None = None) -> list:
     return core.executor.collective_rpc(method, args, ranks)
 
 
@@ -37,18 +33,8 @@ UTILITIES: dict[str, Callable] = {"check_health": _check_health, "collective_rpc
                                   "is_idle": _is_idle}
 
 
-def pack_updates(updates: list[RequestUpdate]) -> list[tuple]:
-    """A step's updates as plain tuples: a quarter of the pickling time of the dataclasses."""
-    return [(u.req_id, u.token_id, u.logprobs, u.finish_reason, u.stop_reason, u.num_cached_tokens)
-            for u in updates]
-
-
-def unpack_updates(rows: list[tuple]) -> list[RequestUpdate]:
-    return [RequestUpdate(*r) for r in rows]
-
-
 class EngineLoop:
-    def __init__(self, core: EngineCore, inbox: queue.SimpleQueue, emit: Callable[[tuple], None],
+    def __init__(self, core: EngineCore, inbox: queue.SimpleQueue, emit: Callable[[EngineEvent], None],
                  idle_report_s: float = 0.05) -> None:
         self.core = core
         self.inbox = inbox
@@ -56,8 +42,8 @@ class EngineLoop:
         self.idle_report_s = idle_report_s  # so that the front end's stats line goes on while idle
 
     def run(self) -> None:
-        """Until `("shutdown",)`; an error of the engine is emitted as `("dead", error)`. The
-        caller shuts the core down."""
+        """Until `Shutdown`; an error of the engine is emitted as `EngineDied`. The caller shuts
+        the core down."""
         core, sched = self.core, self.core.scheduler
         busy = False
         try:
@@ -67,9 +53,9 @@ class EngineLoop:
                         cmd = self.inbox.get_nowait() if busy else self.inbox.get(timeout=self.idle_report_s)
                     except queue.Empty:
                         if not busy:
-                            self.emit(("stats", sched.stats()))
+                            self.emit(IdleStats(sched.stats()))
                         break
-                    if cmd[0] == "shutdown":
+                    if isinstance(cmd, Shutdown):
                         return
                     self._apply(cmd)
                     busy = sched.has_unfinished() or sched.has_in_flight()
@@ -78,31 +64,28 @@ class EngineLoop:
                 updates = core.step()
                 busy = sched.has_unfinished() or sched.has_in_flight()
                 if updates:
-                    self.emit(("out", pack_updates(updates), sched.stats()))
+                    self.emit(StepOutputs.of(updates, sched.stats()))
                 if not busy:
-                    self.emit(("stats", sched.stats()))
+                    self.emit(IdleStats(sched.stats()))
         except BaseException as e:  # noqa: BLE001 - whoever waits on the engine must hear it
-            self.emit(("dead", e))
+            self.emit(EngineDied(e))
 
-    def _apply(self, cmd: tuple) -> None:
-        kind = cmd[0]
-        if kind == "add":
-            req = cmd[1]
+    def _apply(self, cmd: EngineCommand) -> None:
+        if isinstance(cmd, AddRequest):
             try:
-                self.core.add_request(req)
+                self.core.add_request(cmd.request)
             except (ValueError, TypeError) as e:  # e.g. a request id already in use
-                self.emit(("refused", req.request_id, e))
-        elif kind == "abort":
-            self.core.abort([cmd[1]])
-        elif kind == "finish":
-            self.core.finish_request(cmd[1], "stop", cmd[2])
-        elif kind == "call":
-            _, call_id, method, args = cmd
+                self.emit(Refused(cmd.request.request_id, e))
+        elif isinstance(cmd, AbortRequest):
+            self.core.abort([cmd.request_id])
+        elif isinstance(cmd, FinishRequest):
+            self.core.finish_request(cmd.request_id, "stop", cmd.stop_reason)
+        elif isinstance(cmd, UtilityCall):
             try:
-                value = UTILITIES[method](self.core, *args)
+                value = UTILITIES[cmd.method](self.core, *cmd.args)
             except Exception as e:  # noqa: BLE001 - the caller gets it, the engine goes on
-                self.emit(("reply", call_id, e, None))
+                self.emit(Reply(cmd.call_id, e))
             else:
-                self.emit(("reply", call_id, None, value))
+                self.emit(Reply(cmd.call_id, None, value))
         else:
-            raise ValueError(f"unknown engine command {kind!r}")
+            raise ValueError(f"unknown engine command {cmd!r}")

@@ -34,15 +34,17 @@ ends the cluster. CPU-only (for tests): `--num-cpus 1` instead of `--num-gpus`, 
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import distengine
 from distengine.config import EngineConfig
+from distengine.kv_cache.plan import KVCachePlan
 from distengine.step import StepOutput, StepPlan
+from distengine.worker_info import DeviceInfo, MemoryProfile
 
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(distengine.__file__)))
 
@@ -60,26 +62,28 @@ class PlacementGroupError(RuntimeError):
     """The cluster cannot hold one bundle per tensor-parallel rank."""
 
 
-def _local_device(device: str) -> str:
-    """What "auto" means in this process (for a local Ray cluster's resources)."""
-    if device == "auto":
-        import torch
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
 class Executor:
-    """What the engine sees: `num_blocks` (KV cache blocks per rank, the null block included),
-    `plan_info` (plain data; among it the token budget the workers resolved), `plan` (the
-    KVCachePlan for the scheduler's KVCacheManager), `execute(step) -> rank 0's StepOutput` (the
-    previous step's, for an overlapped step), `check_health()`, `shutdown()`."""
+    """Where the workers run, as the engine core sees it: `config` (placed: the device and dtype
+    resolved for where the workers run, `gpus_available`) and `devices` (what each rank reported
+    of its device) once built; then `load(config, plan) -> [MemoryProfile]` per rank, `allocate_kv_cache(num_blocks)`,
+    and `execute(step) -> rank 0's StepOutput` (the previous step's, for an overlapped step),
+    `collective_rpc`, `check_health()`, `shutdown()`."""
 
-    num_blocks: int
-    plan_info: dict
-    plan: Any
+    config: EngineConfig
+    devices: list[DeviceInfo]
+    gpus_available: bool  # where the workers run: what "auto" resolves to
     is_dead: bool = False
     _dead_cause: BaseException | None = None
     _dead_message: str = ""
+
+    def load(self, config: EngineConfig, plan: KVCachePlan) -> list[MemoryProfile]:
+        """Every rank loads its shard for the engine's resolved config and plan, then profiles
+        its memory (a collective); their profiles in rank order."""
+        raise NotImplementedError
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Every rank allocates `num_blocks` and captures its CUDA graphs; then steps may run."""
+        raise NotImplementedError
 
     def execute(self, step: StepPlan) -> StepOutput | None:
         raise NotImplementedError
@@ -87,9 +91,10 @@ class Executor:
     def check_health(self) -> None:
         raise NotImplementedError
 
-    def collective_rpc(self, method: str, args: tuple = (), ranks: list[int] | None = None) -> list:
-        """`Worker.method(*args)` on the given ranks (default: all), their results in rank order
-        (vLLM's name). Not for the step: that is `execute`."""
+    def collective_rpc(self, method: str | Callable, args: tuple = (), ranks: list[int] | None = None) -> list:
+        """`Worker.method(*args)`, or `method(worker, *args)` for a function (a benchmark's
+        measurement: the worker does not import it), on the given ranks (default: all), their
+        results in rank order (vLLM's name). Not for the step: that is `execute`."""
         raise NotImplementedError
 
     def shutdown(self) -> None:
@@ -116,20 +121,25 @@ class UniprocExecutor(Executor):
     """One Worker in this process: TP=1, no Ray. The step goes to it as the typed plan itself."""
 
     def __init__(self, config: EngineConfig) -> None:
+        import torch
+
         from workers.worker import Worker
         if config.tensor_parallel_size != 1:
             raise ValueError(f"UniprocExecutor runs tensor_parallel_size=1 only (got {config.tensor_parallel_size}); "
                              "use RayExecutor")
-        self.config = config
-        self.worker = Worker(0, 1, config)
-        self.worker.init()
-        self.worker.load()
-        self.num_blocks = config.num_gpu_blocks_override if config.num_gpu_blocks_override is not None else \
-            self.worker.determine_num_blocks()
-        self.worker.allocate_kv_cache(self.num_blocks)
-        self.plan_info = self.worker.plan_info()
-        self.plan = self.worker.get_plan()
+        self.gpus_available = torch.cuda.is_available()
+        self.config = config.placed(self.gpus_available)
+        self.worker = Worker(0, 1, self.config)
         self._closed = False
+        self.devices = [self.worker.init()]
+
+    def load(self, config: EngineConfig, plan: KVCachePlan) -> list[MemoryProfile]:
+        self.config = config
+        self.worker.load(config, plan)
+        return [self.worker.profile_memory()]
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.worker.allocate_kv_cache(num_blocks)
 
     def execute(self, step: StepPlan) -> StepOutput | None:
         self._raise_if_dead()
@@ -143,9 +153,9 @@ class UniprocExecutor(Executor):
     def check_health(self) -> None:
         self._raise_if_dead()
 
-    def collective_rpc(self, method: str, args: tuple = (), ranks: list[int] | None = None) -> list:
+    def collective_rpc(self, method: str | Callable, args: tuple = (), ranks: list[int] | None = None) -> list:
         self._raise_if_dead()
-        return [getattr(self.worker, method)(*args) for _ in (ranks or [0])]
+        return [self.worker.call(method, *args) for _ in (ranks or [0])]
 
     def shutdown(self) -> None:
         if getattr(self, "_closed", True):
@@ -164,8 +174,8 @@ class RayExecutor(Executor):
 
         from workers.worker import Worker
 
-        self.config = config
         self.tp = config.tensor_parallel_size
+        self.startup_timeout_s = startup_timeout_s
         self.execute_timeout_s, self.health_timeout_s = execute_timeout_s, health_timeout_s
         self.actors: list = []
         self.pg = None  # our own placement group (None inside the caller's)
@@ -185,16 +195,16 @@ class RayExecutor(Executor):
                 ray.init(address=address, log_to_driver=True, logging_level=level)
             else:
                 kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": level}
-                if _local_device(config.device) == "cpu":
+                import torch
+                if config.device_for(gpus_available=torch.cuda.is_available()) == "cpu":
                     kwargs.update(num_cpus=max(self.tp, 2), num_gpus=0)
                 ray.init(**kwargs)
                 self._owns_ray = True
         try:
-            device = config.device
-            if device == "auto":  # the cluster's GPUs decide the bundles; each worker resolves "auto"
-                device = "cuda" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
-            self.device = device
-            kind = "GPU" if device.startswith("cuda") else "CPU"
+            # Where the workers run decides "auto": the cluster's GPUs, not the driver's.
+            self.gpus_available = ray.cluster_resources().get("GPU", 0) >= 1
+            self.config = config = config.placed(self.gpus_available)
+            kind = "GPU" if config.device.startswith("cuda") else "CPU"
             self._kind = kind
 
             # ---- the placement group: the caller's, or our own ----
@@ -220,40 +230,50 @@ class RayExecutor(Executor):
                     env[var] = os.environ[var]
             resources = {"num_gpus": 1, "num_cpus": 0} if kind == "GPU" else {"num_cpus": 1}
             remote_cls = ray.remote(**resources)(Worker)
-            worker_config = dataclasses.replace(config, device=config.device if kind == "GPU" else "cpu")
             for rank in range(self.tp):
                 strategy = PlacementGroupSchedulingStrategy(self.pg or self._outer_pg,
                                                             placement_group_bundle_index=bundles[rank],
                                                             placement_group_capture_child_tasks=True)
                 self.actors.append(remote_cls.options(scheduling_strategy=strategy, runtime_env={"env_vars": env},
-                                                      name=None).remote(rank, self.tp, worker_config))
+                                                      name=None).remote(rank, self.tp, config))
             self._ranks = {a._actor_id.hex(): r for r, a in enumerate(self.actors)}
-            t = startup_timeout_s
+            t = self.startup_timeout_s
             if kind == "GPU" and not config.disable_custom_all_reduce:
                 self._share_node_gpus(t)
 
-            # ---- torch.distributed, the model, the KV cache, the graphs ----
+            # ---- torch.distributed ----
             ip, port = self._gather([self.actors[0].node_address.remote()], t, "starting")[0]
             self.init_method = f"tcp://{_bracket(ip)}:{port}"
-            self._gather([a.init.remote(self.init_method) for a in self.actors], t, "joining torch.distributed")
-            self._gather([a.load.remote() for a in self.actors], t, "loading the model")
-            if config.num_gpu_blocks_override is not None:
-                self.num_blocks = int(config.num_gpu_blocks_override)
-            else:  # a collective: every rank at once
-                self.num_blocks = min(self._gather([a.determine_num_blocks.remote() for a in self.actors], t,
-                                                   "sizing the KV cache"))
-            self._gather([a.allocate_kv_cache.remote(self.num_blocks) for a in self.actors], t,
-                         "allocating the KV cache")
-            *infos, self.plan = self._gather([a.plan_info.remote() for a in self.actors]
-                                             + [self.actors[0].get_plan.remote()], t, "reading the plan")
-            # Each rank sized its buffers for the token budget of its own device: the least holds on all.
-            self.plan_info = {**infos[0], "max_num_batched_tokens": min(i["max_num_batched_tokens"] for i in infos)}
-            self.dag = self._compile()
+            self.devices = self._gather([a.init.remote(self.init_method) for a in self.actors], t,
+                                        "joining torch.distributed")
         except BaseException as e:
-            self.shutdown()
-            if isinstance(e, WorkerError) and e.user_error is not None:
-                raise e.user_error from e
-            raise
+            self._fail_start(e)
+
+    def load(self, config: EngineConfig, plan: KVCachePlan) -> list[MemoryProfile]:
+        self.config = config
+        t = self.startup_timeout_s
+        try:
+            self._gather([a.load.remote(config, plan) for a in self.actors], t, "loading the model")
+            return self._gather([a.profile_memory.remote() for a in self.actors], t, "profiling its memory")
+        except BaseException as e:
+            self._fail_start(e)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        try:
+            self._gather([a.allocate_kv_cache.remote(num_blocks) for a in self.actors], self.startup_timeout_s,
+                         "allocating the KV cache")
+            if self.dag is None:  # the actors' step loops outlive a reload of their models
+                self.dag = self._compile()
+        except BaseException as e:
+            self._fail_start(e)
+
+    def _fail_start(self, e: BaseException):
+        """Nothing half-started stays behind; a rank's own refusal (a ValueError about the
+        model, ...) is raised as itself."""
+        self.shutdown()
+        if isinstance(e, WorkerError) and e.user_error is not None:
+            raise e.user_error from e
+        raise e
 
     def _bundles_of_current_group(self, kind: str) -> list[int] | None:
         """Inside a placement group (a task of `distengine bench sweep`, or anyone's), the ranks go
@@ -368,11 +388,11 @@ class RayExecutor(Executor):
                 dead.append(refs[ref])
         return sorted(dead)
 
-    def collective_rpc(self, method: str, args: tuple = (), ranks: list[int] | None = None) -> list:
+    def collective_rpc(self, method: str | Callable, args: tuple = (), ranks: list[int] | None = None) -> list:
         self._raise_if_dead()
         picked = [self.actors[r] for r in (ranks if ranks is not None else range(self.tp))]
-        return self._gather([getattr(a, method).remote(*args) for a in picked], self.execute_timeout_s,
-                            f"running {method}")
+        name = method if isinstance(method, str) else getattr(method, "__name__", repr(method))
+        return self._gather([a.call.remote(method, *args) for a in picked], self.execute_timeout_s, f"running {name}")
 
     def check_health(self) -> None:
         """Every rank answers a ping (served beside the compiled graph's step loop)."""

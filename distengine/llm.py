@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from distengine.config import EngineConfig
 from distengine.engine_core import EngineCore
@@ -15,36 +15,9 @@ from distengine.outputs import RequestOutput
 from distengine.output_processor import OutputProcessor
 from distengine.sampling_params import SamplingParams
 from distengine.scheduler import EngineRequest, SchedulerStats
-from workers.loader import load_hf_config, resolve_model_path, text_config
+from distengine.hf_config import load_tokenizer_and_eos
 
 PromptType = str | dict
-
-
-def load_tokenizer(path: str):
-    """The model's tokenizer, or None when it ships none (prompts must then be token ids).
-    Only tokenizer files count: transformers may otherwise build an empty one."""
-    import os
-    files = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
-    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in files):
-        return None
-    try:
-        from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError):
-        return None
-
-
-def eos_token_ids(path, config) -> frozenset[int]:
-    """The ids that end a request: the generation config's, else the model config's."""
-    ids = getattr(config, "eos_token_id", None)
-    try:
-        from transformers import GenerationConfig
-        ids = GenerationConfig.from_pretrained(path).eos_token_id or ids
-    except (OSError, ValueError):
-        pass
-    if ids is None:
-        return frozenset()
-    return frozenset(ids if isinstance(ids, (list, tuple)) else [ids])
 
 
 class LLM:
@@ -53,16 +26,14 @@ class LLM:
 
     def __init__(self, model: str, tensor_parallel_size: int = 1, **options) -> None:
         self.config = EngineConfig.create(model, tensor_parallel_size=tensor_parallel_size, **options)
-        path = resolve_model_path(self.config.model)  # the driver's own copy: tokenizer, EOS ids
-        config = text_config(load_hf_config(path))
-        self.tokenizer = load_tokenizer(self.config.tokenizer or str(path))
-        self.eos_token_ids = eos_token_ids(path, config)
+        self.tokenizer, self.eos_token_ids = load_tokenizer_and_eos(self.config)
         self.engine = EngineCore(self.config)
+        self.info = self.engine.info
         self.plan = self.engine.plan
         self.scheduler = self.engine.scheduler
         self.executor = self.engine.executor
         self.max_model_len = self.config.max_model_len
-        self.inputs = InputProcessor(self.tokenizer, self.executor.plan_info["vocab_size"], self.max_model_len)
+        self.inputs = InputProcessor(self.tokenizer, self.info.vocab_size, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -73,13 +44,9 @@ class LLM:
     def stats(self) -> SchedulerStats:
         return self.engine.stats()
 
-    @property
-    def plan_info(self) -> dict:
-        """What the workers report of themselves: device, dtype, vocabulary, weight bytes, ..."""
-        return self.executor.plan_info
-
-    def collective_rpc(self, method: str, args: tuple = (), ranks: list[int] | None = None) -> list:
-        """`Worker.method(*args)` on the given ranks (default: all), their results in rank order."""
+    def collective_rpc(self, method: str | Callable, args: tuple = (), ranks: list[int] | None = None) -> list:
+        """`Worker.method(*args)`, or `method(worker, *args)` for a function, on the given ranks
+        (default: all), their results in rank order."""
         return self.executor.collective_rpc(method, args, ranks)
 
     def generate(self, prompts: PromptType | Sequence[PromptType],

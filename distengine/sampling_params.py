@@ -2,8 +2,7 @@
 
 `SamplingParams` validates itself on construction (``__post_init__``) and raises ``ValueError``
 messages that start with the offending field's name, worded as vLLM's ``_verify_args`` words
-them.  `to_worker_dict` gives the plain, msgpack-serialisable dict that the worker-side sampler
-(`workers.sampler.SamplingTensors.build`) takes.
+them.  `for_workers` gives the record the workers sample with (`distengine.step.RequestSampling`).
 
 Normalisations (as vLLM's ``__post_init__``):
 
@@ -18,6 +17,8 @@ import math
 from dataclasses import dataclass, fields
 from numbers import Integral, Real
 from typing import Any
+
+from distengine.step import RequestSampling
 
 __all__ = ["SamplingParams", "SAMPLING_EPS"]
 
@@ -229,26 +230,19 @@ class SamplingParams:
             return max(len(s) for s in self.stop) - 1
         return 0
 
-    def to_worker_dict(self) -> dict:
-        """The per-request dict the worker sampler takes (`SamplingTensors.build`): plain Python
-        scalars only, so it serialises with msgpack.  The seed is reduced to its low 64 bits as
-        a signed int64 (what the worker uses anyway), so any Python int travels."""
+    def for_workers(self) -> RequestSampling:
+        """What the workers sample this request with: greedy as temperature 0, top-k off as 0,
+        and the seed reduced to its low 64 bits as a signed int64 (what the workers' draws use),
+        so that any Python int travels in the step's msgpack."""
         seed = self.seed
         if seed is not None and not (_INT64_MIN <= seed <= _INT64_MAX):
             seed &= _MASK64
             if seed >= 1 << 63:
                 seed -= 1 << 64
-        return {
-            "temperature": self.temperature,
-            "top_k": self.top_k,
-            "top_p": self.top_p,
-            "min_p": self.min_p,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-            "repetition_penalty": self.repetition_penalty,
-            "seed": seed,
-            "logprobs": self.logprobs,
-        }
+        return RequestSampling(temperature=0.0 if self.is_greedy else self.temperature,
+                               top_k=max(self.top_k, 0), top_p=self.top_p, min_p=self.min_p,
+                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                               repetition_penalty=self.repetition_penalty, seed=seed, logprobs=self.logprobs)
 
     def clone(self) -> "SamplingParams":
         return SamplingParams(**{f.name: (list(v) if isinstance(v := getattr(self, f.name), list)

@@ -75,13 +75,13 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, plan: KVCachePlan, num_blocks: int, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, plan: KVCachePlan, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_prefix_caching: bool = True) -> None:
         self.plan = plan
         self.max_model_len = plan.max_model_len
         self.manager = KVCacheManager(plan, num_blocks, enable_caching=enable_prefix_caching)
         self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens or max(2048, plan.block_size)
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.requests: dict[str, EngineRequest] = {}
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
@@ -246,12 +246,11 @@ class Scheduler:
         return plan
 
     def _new_request(self, req: EngineRequest) -> NewRequest:
-        sp = req.sampling
-        rep = sp.repetition_penalty != 1.0
-        counts = rep or sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0
+        sampling = req.sampling.for_workers()
         return NewRequest(req.request_id, [list(t) for t in self.manager.get_block_ids(req.request_id)],
-                          sp.to_worker_dict(), req.num_output_tokens, list(req.prompt_token_ids) if rep else [],
-                          req.output_token_ids if counts else [])
+                          sampling, req.num_output_tokens,
+                          list(req.prompt_token_ids) if sampling.reads_prompt else [],
+                          req.output_token_ids if sampling.penalised else [])
 
     def update(self, step_id: int, output: StepOutput | None) -> list[RequestUpdate]:
         """Apply a step's sampled tokens (one per request that sampled, in plan order): append,

@@ -13,12 +13,42 @@ from dataclasses import dataclass, field, fields
 import msgpack
 
 
+@dataclass(frozen=True)
+class RequestSampling:
+    """How the workers sample one request: its `SamplingParams`, checked once on the driver, in
+    the few fields a worker reads (`SamplingParams.for_workers`). The vocabulary's bounds are the
+    worker's to apply: a top_k at or past the vocabulary is no top-k, logprobs -1 is all of it."""
+    temperature: float = 0.0          # 0: greedy
+    top_k: int = 0                    # 0: off
+    top_p: float = 1.0                # 1: off
+    min_p: float = 0.0                # 0: off
+    presence_penalty: float = 0.0     # 0: off
+    frequency_penalty: float = 0.0    # 0: off
+    repetition_penalty: float = 1.0   # 1: off
+    seed: int | None = None           # its low 64 bits, as a signed int64
+    logprobs: int | None = None       # None: none; k: the sampled token's and the top k; -1: every token's
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def penalised(self) -> bool:
+        """A penalty is on: the workers keep the counts of the request's output tokens."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def reads_prompt(self) -> bool:
+        """The repetition penalty also counts the prompt's tokens."""
+        return self.repetition_penalty != 1.0
+
+
 @dataclass
 class NewRequest:
     """A request entering the workers (admitted, or resumed after a preemption)."""
     req_id: str
     block_ids: list[list[int]]   # its whole table in every KV cache group (prefix hits included)
-    sampling: dict               # SamplingParams.to_worker_dict()
+    sampling: RequestSampling
     num_output_tokens: int = 0   # a resumed request's outputs so far (seeded draws go on from there)
     # Only when a penalty needs them (else empty): the prompt, and a resumed request's outputs.
     prompt_token_ids: list[int] = field(default_factory=list)
@@ -58,14 +88,16 @@ class StepPlan:
         return sum(s.num_new_tokens for s in self.scheduled)
 
     def encode(self) -> bytes:
-        return msgpack.packb([self.step_id, [_row(r) for r in self.new_requests],
-                              [_row(s) for s in self.scheduled], self.finished_req_ids, self.defer_output])
+        new = [[r.req_id, r.block_ids, _row(r.sampling), *_row(r)[3:]] for r in self.new_requests]
+        return msgpack.packb([self.step_id, new, [_row(s) for s in self.scheduled], self.finished_req_ids,
+                              self.defer_output])
 
     @classmethod
     def decode(cls, data: bytes) -> "StepPlan":
         step_id, new, scheduled, finished, defer = msgpack.unpackb(data, raw=False, strict_map_key=False)
-        return cls(step_id, [NewRequest(*r) for r in new], [ScheduledRequest(*s) for s in scheduled],
-                   finished, defer)
+        return cls(step_id, [NewRequest(rid, blocks, RequestSampling(*sampling), *rest)
+                             for rid, blocks, sampling, *rest in new],
+                   [ScheduledRequest(*s) for s in scheduled], finished, defer)
 
 
 @dataclass

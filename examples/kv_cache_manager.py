@@ -2,7 +2,8 @@
 
     python examples/kv_cache_manager.py
 """
-from distengine.kv_cache import KVCacheManager, load_config_dict, make_plan, parse_model_config
+from distengine.kv_cache import KVCacheManager, make_plan
+from distengine.model_config import load_config_dict, parse_model_config
 from distengine.request import Request
 
 name, cfg = load_config_dict("gemma-3-27b")

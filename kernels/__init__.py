@@ -1,5 +1,5 @@
 """Triton kernels (paged attention over the shared group buffers, KV store, norms, rotary), each
-with a plain-torch reference beside it."""
+with a plain-torch reference beside it. `kernels.bench` times them on a GPU."""
 
 
 def compiled_variants() -> int:

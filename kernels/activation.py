@@ -3,7 +3,7 @@
 Why a Triton kernel: eager torch reads the gate half for the activation, writes it, reads it
 back with the up half for the product (and in fp32 adds upcast/downcast passes); the kernel
 reads each half once and writes the result once. H200, T=4096, I=14336, bf16: 90 us (3.9 TB/s)
-vs 750 us for the fp32 `*_ref` (`kernels.bench_layer_ops`); even idiomatic bf16 torch needs ~2x
+vs 750 us for the fp32 `*_ref` (`kernels.bench.layer_ops`); even idiomatic bf16 torch needs ~2x
 the kernel's traffic. Math is fp32 in both implementations; the
 GELU is the tanh approximation, with tanh written via exp (long-stable across triton versions).
 """

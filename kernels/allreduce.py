@@ -9,7 +9,7 @@ in fp32, rounds the sum to the buffers' dtype (what NCCL returns), applies the o
 rank again before it exits, so no rank overwrites its buffer while a peer still reads it.
 
 Why: at decode sizes (a few KB to a MB) an all-reduce is latency: NCCL takes 12-19 us per call
-inside a CUDA graph on two H200s (`launch/bench_allreduce.py`), most of it fixed cost, and a
+inside a CUDA graph on two H200s (`launch/bench/allreduce.py`), most of it fixed cost, and a
 decode step of a 48-layer model makes 96 of them. The one-shot kernel reads the peer's rows
 once, with no intermediate copies; fused with the norms it also saves their launches and their
 passes over the rows (with PDL in a CUDA graph a norm launch alone cost next to nothing on one

@@ -163,7 +163,7 @@ ROW_BANDS = (12, 24, 64)
 
 def moe_config(num_pairs: int, num_experts: int, itemsize: int = 2) -> dict:
     """Tiles by the rows each expert gets (pairs / E), from H200 sweeps in CUDA graphs at the
-    shapes of kernels/bench_moe.py (tests/gpu/sweep_moe.py): up to 12 rows 16-row tiles (a decode
+    shapes of kernels/bench/moe.py (kernels/bench/sweep_moe_tiles.py): up to 12 rows 16-row tiles (a decode
     step's tiles are mostly padding; a larger one would only multiply zeros), to 24 rows 32-row
     tiles, to 64 rows 64-row tiles (1-256 tokens: within 3% of each point's best tiles, where the
     rule of pairs <= 4 E before lost up to 8%); beyond, prefill steps, 128 x 256 tiles (1,024 to

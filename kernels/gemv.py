@@ -3,10 +3,10 @@
 Why Triton kernels: at a few rows a projection only streams its weight, and cuBLAS picks tiles
 made for wider products (64 or more output columns per tile, split-K with a second reduce
 kernel for the narrow matrices). Timed inside CUDA graphs on one H200, 24 calls each on its own
-weights (`tests/gpu/micro_b1.py`), Gemma-3-12B's shapes, one row: o_proj 10.1 us against
+weights (`kernels/bench/decode_batch1.py`), Gemma-3-12B's shapes, one row: o_proj 10.1 us against
 F.linear's 13.4, down_proj 29.2 against 34.2, gate_up 54.8 against 58.0, qkv 17.2 against 17.7:
 the weight read at 3.1 / 4.0 / 4.3 / 3.7 TB/s (copy 4.24 TB/s); a batch-1 decode step of the
-whole model 7.15 ms against 7.95. At 2 / 8 / 16 / 32 rows (`tests/gpu/micro_batch.py`) a layer's
+whole model 7.15 ms against 7.95. At 2 / 8 / 16 / 32 rows (`launch/bench/decode_batched.py`) a layer's
 four projections take 115.4 / 116.8 / 118.1 / 123.0 us against cuBLAS's 124.3 / 124.7 / 128.2 /
 128.8 (copy-rate time 105.1), and the decode step at batch 4 / 8 / 16 / 32 is 7.65 / 7.97 / 8.57 /
 9.74 ms against 8.21 / 8.49 / 9.10 / 10.06; from 64 rows on cuBLAS is as fast. The layers call
@@ -171,7 +171,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, st
 
 
 def skinny_config(n: int, k: int, elem_bytes: int = 2, rows: int = 16) -> dict:
-    """Tiles from an H200 sweep in CUDA graphs at 8, 16 and 32 rows (tests/gpu/sweep_skinny.py):
+    """Tiles from an H200 sweep in CUDA graphs at 8, 16 and 32 rows (kernels/bench/sweep_skinny_gemm.py):
     narrow outputs (o_proj, down_proj: N 3840) want 32 columns and a deep pipeline, wider ones 64
     columns; 4 warps, 256-key steps. Stages are cut to what fits in ~200 KB of shared memory (fp32
     weights take twice the bytes of bf16)."""

@@ -6,7 +6,7 @@ Why a Triton kernel: RMSNorm is memory-bound. Eager torch makes ~6 passes over t
 square, mean, rsqrt-multiply, weight-multiply, downcast) and the residual add two more; the
 kernel reads x (and residual) once and writes out (and new_residual) once, keeping the row in
 registers. So it wins for both forms (H200, T=4096, hidden 4096/5376, bf16, vs `rms_norm_ref`:
-21-29 us vs 250-317 us plain, 45-49 us vs 430-545 us with the add, ~3 TB/s; `kernels.bench_layer_ops`).
+21-29 us vs 250-317 us plain, 45-49 us vs 430-545 us with the add, ~3 TB/s; `kernels.bench.layer_ops`).
 
 Numerics (both implementations): the residual sum is rounded to x's dtype, stored as
 new_residual, and the norm is computed in fp32 from that rounded value, as vLLM's CUDA kernel

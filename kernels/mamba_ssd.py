@@ -30,7 +30,7 @@ The compute chunk is the host's chunk (1..SSD_MAX_CHUNK tokens, masked in a SSD_
 SSD_MAX_CHUNK = 64: 128 would add 64 (N + P) multiply-adds per token (+43% at N = 128, P = 64)
 and does not fit in registers; 32 would halve the quadratic part but double the sequential steps and
 put every product on mma.sync (wgmma needs 64 rows). Not yet timed on a GPU (no device time was
-left when this was written): `python -m kernels.bench_mamba --sweep` times BLOCK_P / warps.
+left when this was written): `python -m kernels.bench.mamba --sweep` times BLOCK_P / warps.
 
 Numerics (as mamba_ssm): dot operands in the activation dtype (16-bit inputs: the decay-weighted
 C B^T, the state entering C h^T and the scaled x are rounded to it), fp32 accumulation, fp32
@@ -194,7 +194,7 @@ def default_config(P: int, N: int, num_seqs_x_heads: int, device: torch.device) 
     B and C [64, N], C B^T [64, 64] and the outputs [64, BLOCK_P]: at N = 128 that is 255
     registers per thread with 8 warps (one program per SM) and some spilling (ptxas for sm_90:
     ~1.2 KB of stack at BLOCK_P = 64, ~0.9 KB at 32; 4 warps spill twice as much). Not yet timed on
-    a GPU: `python -m kernels.bench_mamba --sweep` times the alternatives; pass `config=` to
+    a GPU: `python -m kernels.bench.mamba --sweep` times the alternatives; pass `config=` to
     override. BLOCK_P halves (C B^T is then computed once per half) while the grid would fill
     less than half of the GPU's SMs."""
     bp = min(64, max(16, triton.next_power_of_2(P)))

@@ -4,7 +4,7 @@ softmax over those k (Granite's and gpt-oss's rule).
 Why a kernel: in torch it is a float cast, a top-k (a sort and a gather), a softmax and a cast
 back, five launches that wait for one another and cannot start early (no PDL); at batch 1 on an
 H200 they took ~14 us a layer, 0.5 ms of a Granite-4.0-H-Tiny decode step's 3.2 ms of kernels
-(`tests/gpu/profile_decode.py`). One program per token holds its row of logits in registers and
+(`launch/bench/profile_decode.py`). One program per token holds its row of logits in registers and
 picks the k largest one after another.
 
 Order and ties: experts come largest first, as `torch.topk` returns them; among equal logits the

@@ -221,7 +221,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     """Splits of the key range for a decode batch too small to fill the GPU: enough programs for
     ~2 waves, at least one key tile per split (the merge kernel combines them). A split's time is
     its chain of dependent loads, so more splits win as long as they have work: H200, B=1, Gemma-3's
-    heads, tile 64, each inside a CUDA graph (`tests/gpu/micro_b1.py`): 600 keys 9.4 us with 16
+    heads, tile 64, each inside a CUDA graph (`kernels/bench/decode_batch1.py`): 600 keys 9.4 us with 16
     splits against 11.2 with 8; 2,048 keys 13.1 us with 32 against 17.8 with 8; 8,192 keys 27.6
     against 55.7. 1 = no split."""
     programs = num_seqs * num_kv_heads
@@ -245,7 +245,7 @@ def default_config(max_query_len: int, head_dim: int, gqa: int, block_size: int,
                    max_seq_len: int = 0) -> dict:
     """Tile shapes and launch options, the fastest of sweeps on an H200 (bf16, block 16; D=128 with
     Hq=32, Hkv=8: `distengine bench kernels --sweep`; D=256 with Hq=16, Hkv=8, Gemma-3-12B's
-    shape: tests/gpu/sweep_decode.py)."""
+    shape: kernels/bench/sweep_decode_attention.py)."""
     block_m = max(16, _next_pow2(gqa))
     if max_query_len == 1:  # decode: bandwidth-bound, 4 warps keep enough loads in flight
         # A window's first tile is partly masked: wider tiles waste less at D=128 (W=1024: 0.082

@@ -5,7 +5,7 @@ one grid and only then starts launching the next. With PDL a kernel is launched 
 predecessor still runs: its programs start, wait at `griddepcontrol.wait` until the predecessor
 has finished and its writes are visible, and meanwhile the launch work is done. Each kernel also
 lets its own successor launch early (`launch_dependents`) once all its programs are running.
-Measured on one H200 (`tests/gpu/micro_pdl.py`, a Gemma-3-12B-shaped batch-1 layer of 4 GEMVs
+Measured on one H200 (`kernels/bench/pdl_layer.py`, a Gemma-3-12B-shaped batch-1 layer of 4 GEMVs
 and 8 one-program kernels, in a CUDA graph): 127.2 us a layer with plain launches, 118.9 with PDL;
 a Gemma-3-12B decode step at batch 1 7.24 -> 6.88 ms (the README's table).
 

@@ -19,12 +19,12 @@ COMMANDS = (
     (("demo",), "launch.demo", "the engine end to end on a tiny hybrid model built locally"),
     (("generate",), "launch.generate", "print completions of a model for prompts or token ids"),
     (("serve",), "launch.serve", "an OpenAI-compatible server (completions, chat, streaming, metrics)"),
-    (("bench", "kvcache"), "launch.bench_kvcache", "drive the KV cache manager like the scheduler does"),
-    (("bench", "kernels"), "launch.bench_kernels", "paged attention on a GPU against torch SDPA and the copy bandwidth"),
-    (("bench", "latency"), "launch.bench_latency", "the time to generate one batch, against the roofline"),
-    (("bench", "throughput"), "launch.bench_throughput", "offline throughput over many prompts, against the roofline"),
-    (("bench", "serve"), "launch.bench_serve", "load on an OpenAI-compatible server: throughput, TTFT, TPOT, ITL"),
-    (("bench", "sweep"), "launch.bench_sweep", "a grid of benchmark points scheduled by Ray, with a table and plots"),
+    (("bench", "kvcache"), "launch.bench.kvcache", "drive the KV cache manager like the scheduler does"),
+    (("bench", "kernels"), "launch.bench.kernels", "paged attention on a GPU against torch SDPA and the copy bandwidth"),
+    (("bench", "latency"), "launch.bench.latency", "the time to generate one batch, against the roofline"),
+    (("bench", "throughput"), "launch.bench.throughput", "offline throughput over many prompts, against the roofline"),
+    (("bench", "serve"), "launch.bench.serve", "load on an OpenAI-compatible server: throughput, TTFT, TPOT, ITL"),
+    (("bench", "sweep"), "launch.bench.sweep", "a grid of benchmark points scheduled by Ray, with a table and plots"),
 )
 # Errors that mean "what you asked for cannot be done", not "the program broke".
 USER_ERROR_NAMES = {"ConfigError", "PlacementGroupError", "KVCacheTooSmallError", "UnsupportedArchitectureError",

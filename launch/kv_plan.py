@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from distengine.kv_cache.model_config import MAMBA, load_config_dict, parse_model_config
+from distengine.model_config import MAMBA, load_config_dict, parse_model_config
 from distengine.kv_cache.plan import GIB, KVCachePlan, make_plan, vllm_plan
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from distengine.kv_cache.block_pool import FreeBlockQueue
 from distengine.kv_cache.manager import KVCacheManager
-from distengine.kv_cache.model_config import CHUNKED, FULL, MAMBA, SLIDING, LayerKV, MambaShape, ModelKVConfig
+from distengine.model_config import CHUNKED, MAMBA, SLIDING, LayerKV, MambaShape, ModelKVConfig
 from distengine.kv_cache.plan import KVCachePlan, make_plan
 from distengine.request import Request
 

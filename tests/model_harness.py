@@ -1,16 +1,17 @@
-"""Drives one of our models the way the engine will: the KV cache manager hands out blocks, the
-step is flattened by `prepare_inputs`, the model runs on the paged cache."""
+"""Drives one of our models the way the engine does: the KV cache manager hands out blocks, each
+step goes through the workers' persistent batch, the model runs on the paged cache."""
 from __future__ import annotations
 
 import torch
 
 from distengine.kv_cache.manager import KVCacheManager
-from distengine.kv_cache.model_config import parse_model_config
+from distengine.model_config import parse_model_config
 from distengine.kv_cache.plan import make_plan
 from distengine.request import Request
-from workers.kv_cache import allocate_kv_cache, mamba_group_ids
+from distengine.step import NewRequest, RequestSampling, ScheduledRequest
+from workers.input_batch import InputBatch
+from workers.kv_cache import allocate_kv_cache
 from workers.parallel import TPGroup
-from workers.step_inputs import SeqStep, prepare_inputs
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -24,6 +25,7 @@ class Harness:
         self.model, self.device = model, torch.device(device)
         self.manager = KVCacheManager(self.plan, num_blocks)
         allocate_kv_cache(self.plan, model.cache_layers(), num_blocks, dtype, self.device)
+        self.batch = InputBatch(self.plan, 1, config.get_text_config().vocab_size, self.device, debug_checks=True)
         self.n = 0
 
     def step(self, req: Request, num_new: int, hit: int = 0, hit_blocks=None) -> torch.Tensor:
@@ -31,10 +33,15 @@ class Harness:
         assert self.manager.allocate_slots(req, num_new, hit, hit_blocks) is not None, "pool too small"
         req.num_computed_tokens += hit
         start = req.num_computed_tokens
-        seq = SeqStep(req.all_token_ids[start:start + num_new], start, list(self.manager.get_block_ids(req.request_id)))
-        ids, pos, meta, idx = prepare_inputs([seq], self.plan.block_size, self.device, mamba_group_ids(self.plan))
+        rid = req.request_id
+        # The whole table each step: the request enters the batch, runs one step, and leaves it.
+        self.batch.add(NewRequest(rid, [list(t) for t in self.manager.get_block_ids(rid)], RequestSampling()))
+        step = self.batch.prepare([ScheduledRequest(rid, start, num_new, req.all_token_ids[start:start + num_new],
+                                                    [], True)], None)
+        inputs = self.batch.eager_inputs(step)
+        self.batch.remove(rid)
         with torch.no_grad():
-            hidden = self.model(ids, pos, meta)
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
             logits = self.model.compute_logits(hidden)
         req.num_computed_tokens += num_new
         return logits

@@ -103,10 +103,9 @@ def test_one_shot_all_reduce(world, dtype, fused, gemma):
                                                           outs[0] if residual is not None else [outs[0]]))
 
 
+@pytest.mark.gpu  # two ranks need concurrent kernels
 def test_two_rank_sum_equals_a_rounded_add():
     """Two ranks: the sum is what one rounded add of the partials gives (NCCL's bf16 result)."""
-    if not GPU:
-        pytest.skip("two ranks need concurrent kernels (a GPU)")
     ranks = Ranks(2, 64 * 3840, torch.bfloat16, max_programs=16)
     parts = [torch.randn(64, 3840, device=DEVICE).to(torch.bfloat16) * 10 ** i for i in range(2)]
     a, b = ranks.run(parts)

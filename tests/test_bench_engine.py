@@ -13,7 +13,7 @@ from launch.cli import main
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from launch.bench_common import build_random_model
+    from launch.bench.common import build_random_model
     folder = str(tmp_path_factory.mktemp("tiny"))
     build_random_model(folder, "tiny", "cpu")
     return folder
@@ -72,7 +72,7 @@ def test_bad_bench_arguments(tiny, tmp_path, capsys):
 
 
 def test_host_time_per_decode_step_runs():
-    from launch.bench_host import measure
+    from launch.bench.host import measure
     parts = measure("llama-3-8b", batch=4, context=40, steps=3, max_model_len=64)
     assert set(parts) == {"schedule", "msgpack", "prepare", "update"} and all(v > 0 for v in parts.values())
 
@@ -81,7 +81,7 @@ def test_mamba_hybrid_roofline_moves_each_state_twice(tmp_path):
     """A Mamba hybrid's decode step moves the weights, the attention K/V it reads, and every Mamba
     layer's state read and written back; `bench latency` runs on it (the `tiny-bamba` shape)."""
     from distengine import LLM
-    from launch.bench_common import build_random_model, roofline_of
+    from launch.bench.common import build_random_model, roofline_of
     folder = str(tmp_path / "tb")
     build_random_model(folder, "tiny-bamba", "cpu")
     with LLM(folder, device="cpu", max_model_len=64) as llm:
@@ -105,12 +105,12 @@ def test_moe_roofline_reads_only_the_chosen_experts(tmp_path, capsys):
     token reads k and a large batch nearly all; the prefill's FLOPs count k experts per token.
     `bench latency` runs on such a model (the `tiny-granite-moe` shape)."""
     from distengine import LLM
-    from launch.bench_common import build_random_model, roofline_of
+    from launch.bench.common import build_random_model, roofline_of
     folder = str(tmp_path / "tg")
     build_random_model(folder, "tiny-granite-moe", "cpu")
     with LLM(folder, device="cpu", max_model_len=64) as llm:
         rf = roofline_of(llm, bandwidth=1e12, matmul=1e12)
-        total = llm.plan_info["weight_bytes"]
+        total = llm.info.memory[0].weight_bytes
     per_layer = 8 * 3 * 32 * 64 * rf.dtype_bytes  # E x (gate, up, down) x I x H
     assert rf.experts == ((8, 2, per_layer),) * 3
     assert rf.weight_bytes == total - 3 * per_layer

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from launch.bench_kvcache import layout_plan, load_trace, make_trace, save_trace, simulate
+from launch.bench.kvcache import layout_plan, load_trace, make_trace, save_trace, simulate
 from launch.cli import main
 
 

@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from launch.bench_common import build_random_model
+    from launch.bench.common import build_random_model
     folder = str(tmp_path_factory.mktemp("tiny"))
     build_random_model(folder, "tiny", "cpu")
     return folder
@@ -108,7 +108,7 @@ def test_unknown_parameters_are_refused_before_anything_starts(tiny, tmp_path, c
 @pytest.mark.parametrize("name", ["sweep_gemma3_12b.yaml", "sweep_serve.yaml", "sweep_serve_quick.yaml"])
 def test_example_sweep_files_are_valid(name):
     """The examples the README's figures come from: every name known, every point a TP size of 1 or 2."""
-    from launch.bench_sweep import load_sweep, points
+    from launch.bench.sweep import load_sweep, points
     spec = load_sweep(os.path.join(os.path.dirname(__file__), "..", "examples", name))
     pts = points(spec)
     assert len(pts) >= 6 and {p["tensor_parallel_size"] for p in pts} == {1, 2}

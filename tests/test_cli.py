@@ -44,7 +44,7 @@ def test_every_option_has_help():
 
 @pytest.fixture(scope="module")
 def no_tokenizer_model(tmp_path_factory):
-    from launch.bench_common import build_random_model
+    from launch.bench.common import build_random_model
     folder = str(tmp_path_factory.mktemp("tiny"))
     build_random_model(folder, "tiny", "cpu")  # config and weights, no tokenizer files
     return folder

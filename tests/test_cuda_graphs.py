@@ -16,7 +16,7 @@ from distengine import LLM, SamplingParams
 from kernels import compiled_variants
 from tests.test_models import build
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+pytestmark = pytest.mark.gpu
 # The KV cache is sized from gpu_memory_utilization, as a user's would be: a tiny model's 512-byte
 # blocks number ~84 million on an H200, which the pool holds without building them (lazy blocks).
 ARGS = dict(device="cuda", dtype="float32", block_size=4, max_model_len=256, max_num_seqs=8,
@@ -73,10 +73,10 @@ def test_graphs_give_the_tokens_of_eager(model):
     runs = {}
     for eager in (True, False):
         with LLM(folder, enforce_eager=eager, **ARGS) as llm:
-            info = llm.executor.plan_info
-            assert bool(info["cuda_graphs"]) != eager
+            info = llm.info
+            assert info.uses_cuda_graphs != eager and (llm.executor.worker.runner.graphs is None) == eager
             if not eager:
-                assert info["graph_memory_bytes"] > 0  # counted before the KV cache was sized
+                assert info.memory[0].graph_bytes > 0  # counted before the KV cache was sized
             runs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert runs[True] == runs[False]
 
@@ -115,7 +115,7 @@ def test_tp2_on_ray_with_cuda_graphs_equals_transformers(model, all_reduce):
     hf, folder = model
     prompts = _prompts(4)
     with LLM(folder, tensor_parallel_size=2, disable_custom_all_reduce=all_reduce == "nccl", **ARGS) as llm:
-        assert llm.executor.plan_info["cuda_graphs"]
+        assert llm.info.uses_cuda_graphs
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     ref = hf.to("cuda")
     for p, o in zip(prompts, outs):

@@ -118,7 +118,7 @@ def test_a_cache_too_small_for_a_prefill_chunk_is_refused_at_start(tmp_path_fact
     end (32 full blocks + 5 x 4 sliding), not its prefill in one 128-token chunk (6 x 32): refused
     before anything runs, not a request that can never be scheduled. With 16-token chunks it fits
     and runs to transformers' tokens."""
-    from workers.model_runner import KVCacheTooSmallError
+    from distengine.kv_cache.sizing import KVCacheTooSmallError
     hf, folder = _folder(tmp_path_factory, "gemma3")
     kw = dict(device="cpu", dtype="float32", block_size=4, max_model_len=128, num_gpu_blocks_override=100)
     with pytest.raises(KVCacheTooSmallError, match="needs 193 .* prefill chunks of up to 128 tokens"):
@@ -224,32 +224,29 @@ def test_generate_command(tmp_path, capsys):
     assert "'what is water'" in out and "'who made oil'" in out
 
 
-def test_default_token_budget_follows_the_device(monkeypatch):
+def test_default_token_budget_follows_the_device():
     """vLLM's default budget: 8192 tokens on a GPU of 70 GiB or more other than an A100, else 2048;
-    never below max_model_len (up to 8192) or max_num_seqs; an explicit one is kept."""
-    from types import SimpleNamespace
+    never below max_model_len (up to 8192) or max_num_seqs; an explicit one is kept; ranks of
+    different GPUs take the least."""
+    from distengine.config import EngineConfig
+    from distengine.worker_info import DeviceInfo
+    h200, a100 = DeviceInfo(0, "cuda:0", "NVIDIA H200", 143 << 30), DeviceInfo(0, "cuda:0", "NVIDIA A100-SXM4-80GB", 80 << 30)
+    l4, cpu = DeviceInfo(0, "cuda:0", "NVIDIA L4", 24 << 30), DeviceInfo(0, "cpu", "CPU", 0)
 
-    import torch
-
-    from distengine.config import EngineConfig, default_batched_tokens
-    gpus = {0: ("NVIDIA H200", 143 << 30), 1: ("NVIDIA A100-SXM4-80GB", 80 << 30), 2: ("NVIDIA L4", 24 << 30)}
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda d: SimpleNamespace(name=gpus[d.index][0], total_memory=gpus[d.index][1]))
-
-    def budget(device, **options) -> int:
-        return default_batched_tokens(EngineConfig(model="m", **{"max_model_len": 32768, **options}), device)
-    h200, a100, l4, cpu = (torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cuda", 2),
-                           torch.device("cpu"))
-    assert [budget(d) for d in (h200, a100, l4, cpu)] == [8192, 2048, 2048, 2048]
-    assert budget(cpu, max_model_len=4096) == 4096 and budget(h200, max_model_len=4096) == 8192
-    assert budget(l4, max_num_seqs=3000) == 3000
-    assert budget(h200, max_num_batched_tokens=512) == 512
+    def budget(devices, **options) -> int:
+        config = EngineConfig(model="m", **{"max_model_len": 32768, **options})
+        return config.with_token_budget(devices).max_num_batched_tokens
+    assert [budget([d]) for d in (h200, a100, l4, cpu)] == [8192, 2048, 2048, 2048]
+    assert budget([cpu], max_model_len=4096) == 4096 and budget([h200], max_model_len=4096) == 8192
+    assert budget([l4], max_num_seqs=3000) == 3000
+    assert budget([h200], max_num_batched_tokens=512) == 512
+    assert budget([h200, h200]) == 8192 and budget([h200, l4]) == 2048
 
 
-def test_scheduler_takes_the_budget_the_worker_resolved(qwen3):
+def test_scheduler_takes_the_budget_the_engine_resolved(qwen3):
     _, folder = qwen3
     with LLM(folder, device="cpu", max_model_len=128) as llm:
-        assert llm.executor.plan_info["max_num_batched_tokens"] == 2048
+        assert llm.info.config.max_num_batched_tokens == 2048
         assert llm.scheduler.max_num_batched_tokens == 2048
     with LLM(folder, device="cpu", max_model_len=128, max_num_batched_tokens=40) as llm:
-        assert llm.scheduler.max_num_batched_tokens == 40 == llm.executor.plan_info["max_num_batched_tokens"]
+        assert llm.scheduler.max_num_batched_tokens == 40 == llm.info.config.max_num_batched_tokens

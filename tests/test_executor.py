@@ -18,7 +18,7 @@ from distengine.engine_core import EngineCore
 from distengine.executor import EngineDeadError, PlacementGroupError, RayExecutor, UniprocExecutor
 from distengine.sampling_params import SamplingParams
 from distengine.scheduler import EngineRequest
-from distengine.step import NewRequest, ScheduledRequest, StepPlan
+from distengine.step import NewRequest, RequestSampling, ScheduledRequest, StepPlan
 from tests.test_models import build
 
 ray = pytest.importorskip("ray")
@@ -59,6 +59,7 @@ def _greedy(executor, prompts, overlap: bool, steps=12):
     """The engine loop over `executor`: request 0 alone first, request 1's prefill joins its
     decodes a few steps later."""
     core = EngineCore(dataclasses.replace(executor.config, async_scheduling=overlap), executor)
+    assert core.info.num_blocks == int(0.002 * (1 << 30)) // core.plan.block_bytes
     reqs = [EngineRequest(f"r{i}", p, sampling=SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True))
             for i, p in enumerate(prompts)]
     core.add_request(reqs[0])
@@ -72,12 +73,16 @@ def _greedy(executor, prompts, overlap: bool, steps=12):
     return [r.output_token_ids for r in reqs]
 
 
-def test_plan_info(tp2):
-    info = tp2.plan_info
-    assert info["block_size"] == 4 and info["max_model_len"] == 128 and info["vocab_size"] == 300
-    assert info["num_groups"] == len(info["group_kinds"]) == len(tp2.plan.groups) >= 1
-    assert set(info["group_kinds"]) == {"full_attention"} and info["tp_size"] == 2
-    assert tp2.num_blocks == int(0.002 * (1 << 30)) // info["block_bytes"]
+def test_engine_info(tp2, checkpoint):
+    """The engine decides the plan and the blocks on the driver, from what the ranks report."""
+    info = EngineCore(config(checkpoint[1], tensor_parallel_size=2), tp2).info
+    plan = info.plan
+    assert plan.block_size == 4 and plan.max_model_len == 128 and info.vocab_size == 300 and plan.tp_size == 2
+    assert {g.spec.kind for g in plan.groups} == {"full_attention"}
+    assert info.num_blocks == int(0.002 * (1 << 30)) // plan.block_bytes
+    assert [d.rank for d in info.devices] == [0, 1] and all(d.device == "cpu" for d in info.devices)
+    assert len(info.memory) == 2 and info.memory[0].weight_bytes == info.memory[1].weight_bytes > 0
+    assert info.config.device == "cpu" and info.config.dtype == "float32" and info.config.max_num_batched_tokens > 0
     tp2.check_health()
 
 
@@ -87,7 +92,6 @@ def test_tp2_greedy_equals_uniproc_and_transformers(tp2, checkpoint):
     prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (21, 30)]
     got = {overlap: _greedy(tp2, prompts, overlap) for overlap in (False, True)}
     with UniprocExecutor(config(folder)) as one:
-        assert one.num_blocks == int(0.002 * (1 << 30)) // one.plan_info["block_bytes"]
         want = _greedy(one, prompts, True)
     assert got[False] == got[True] == want
     with torch.no_grad():
@@ -99,6 +103,7 @@ def test_tp2_greedy_equals_uniproc_and_transformers(tp2, checkpoint):
 def test_worker_error_makes_engine_dead(checkpoint):
     """A step a worker refuses: the error comes back (no hang) and the engine is dead after."""
     ex = UniprocExecutor(config(checkpoint[1]))
+    EngineCore(ex.config, ex)
     with pytest.raises(EngineDeadError, match="never sent"):
         ex.execute(StepPlan(0, scheduled=[ScheduledRequest("x", 0, 1, [1], [], True)]))
     with pytest.raises(EngineDeadError):
@@ -121,8 +126,9 @@ def test_unsatisfiable_placement_group_fails_quickly(tp2, checkpoint):
 
 def test_killed_worker_makes_engine_dead_and_shutdown_frees_all(tp2, checkpoint):
     ex = RayExecutor(config(checkpoint[1], tensor_parallel_size=2))
+    EngineCore(ex.config, ex)
     assert ray.available_resources().get("CPU", 0) == 0  # 2 + 2 of 4
-    step = StepPlan(0, [NewRequest("a", [[1, 2, 3]], {"temperature": 0.0})],
+    step = StepPlan(0, [NewRequest("a", [[1, 2, 3]], RequestSampling())],
                     [ScheduledRequest("a", 0, 10, list(range(1, 11)), [], True)])
     assert len(ex.execute(step).token_ids) == 1
     actors, pg = list(ex.actors), ex.pg

@@ -1,5 +1,5 @@
 """The persistent batch gives the model exactly the inputs of a plain flattening of each step
-(`workers.step_inputs.prepare_inputs` over the manager's own tables), over random step sequences
+(`tests.reference_inputs.prepare_inputs` over the manager's own tables), over random step sequences
 driven by the real scheduler: requests joining and finishing, aborted, preempted (a small pool),
 chunked (a small token budget), with and without overlapped scheduling, as eager inputs and as
 the padded inputs a decode CUDA graph reads. Block tables are compared where a step reads them
@@ -12,13 +12,13 @@ import random
 import pytest
 import torch
 
-from distengine.kv_cache.model_config import FULL, MAMBA, SLIDING, MambaShape
+from distengine.model_config import FULL, MAMBA, SLIDING, MambaShape
 from distengine.sampling_params import SamplingParams
 from distengine.scheduler import EngineRequest, Scheduler
-from distengine.step import NewRequest, ScheduledRequest, StepOutput
+from distengine.step import NewRequest, RequestSampling, ScheduledRequest, StepOutput
 from tests.helpers import plan_of
 from workers.input_batch import InputBatch
-from workers.step_inputs import SeqStep, prepare_inputs
+from tests.reference_inputs import SeqStep, prepare_inputs
 
 VOCAB = 97
 GRAPH_SIZES = [1, 2, 4, 6]
@@ -29,19 +29,21 @@ def _check(batch: InputBatch, step, plan, sched: Scheduler, truth: dict[str, lis
     seqs = [SeqStep(truth[s.req_id][s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens],
                     s.num_computed_tokens, [list(t) for t in sched.manager.get_block_ids(s.req_id)], s.sample)
             for s in plan.scheduled]
-    mamba_groups = [g.group_id for g in batch.plan.groups if g.spec.kind == MAMBA]
+    mamba_groups = [g.group_id for g in batch.plan.groups if g.spec.kind == MAMBA]  # plan order
     ids, pos, meta, idx = prepare_inputs(seqs, bs, torch.device("cpu"), mamba_groups)
     S = len(seqs)
     if step.graph_size is not None:
         size = step.graph_size
-        g_ids, g_pos, g_meta = batch.decode_inputs(size)
+        g = batch.decode_inputs(size)
+        g_ids, g_pos, g_meta = g.input_ids, g.positions, g.metadata
         assert torch.equal(g_ids[:S], ids) and torch.equal(g_pos[:S], pos)
         assert (g_meta.seq_lens[S:] == 0).all() and (g_meta.slot_mappings[:, S:] == -1).all()
         assert torch.equal(g_meta.query_start_loc, torch.arange(size + 1, dtype=torch.int32))
         got_meta, got_idx = g_meta, torch.tensor([i for i, s in enumerate(plan.scheduled) if s.sample])
         assert torch.equal(idx, torch.arange(S)[got_idx])
     else:
-        e_ids, e_pos, got_meta, got_idx = batch.eager_inputs(step)
+        e = batch.eager_inputs(step)
+        e_ids, e_pos, got_meta, got_idx = e.input_ids, e.positions, e.metadata, e.logits_indices
         assert torch.equal(e_ids, ids) and torch.equal(e_pos, pos) and torch.equal(got_idx, idx)
         assert torch.equal(got_meta.query_start_loc, meta.query_start_loc)
         assert got_meta.max_query_len == meta.max_query_len
@@ -58,7 +60,7 @@ def _check(batch: InputBatch, step, plan, sched: Scheduler, truth: dict[str, lis
         else:
             for name in ("chunk_start", "chunk_seq", "chunk_pages"):
                 assert torch.equal(getattr(got, name), getattr(m, name)), name
-    for g, first in enumerate(batch._spec_first):
+    for g, first in enumerate(batch.tables._first_needed):
         assert torch.equal(got_meta.slot_mappings[g][:len(ids)], meta.slot_mappings[g])
         for i, s in enumerate(plan.scheduled):
             lo, hi = first(s.num_computed_tokens), -(-(s.num_computed_tokens + s.num_new_tokens) // bs)
@@ -132,15 +134,15 @@ def test_bad_steps_are_refused():
     batch = InputBatch(p, 2, VOCAB, torch.device("cpu"))
     with pytest.raises(KeyError, match="never sent"):
         batch.prepare([ScheduledRequest("x", 0, 1, [1], [], True)], None)
-    batch.add(NewRequest("a", [[1, 2]], {"temperature": 0.0}))
+    batch.add(NewRequest("a", [[1, 2]], RequestSampling()))
     with pytest.raises(ValueError, match="already in the batch"):
-        batch.add(NewRequest("a", [[3]], {}))
+        batch.add(NewRequest("a", [[3]], RequestSampling()))
     with pytest.raises(ValueError, match="has not sampled yet"):
         batch.prepare([ScheduledRequest("a", 0, 1, [], [], True)], None)
     with pytest.raises(ValueError, match=r"token id 97 outside the vocabulary \[0, 97\)"):
         batch.prepare([ScheduledRequest("a", 0, 2, [1, 97], [], True)], None)
     with pytest.raises(ValueError, match="outside"):
         batch.prepare([ScheduledRequest("a", 30, 4, [1, 2, 3, 4], [], True)], None)
-    batch.add(NewRequest("b", [[3]], {}))
+    batch.add(NewRequest("b", [[3]], RequestSampling()))
     with pytest.raises(ValueError, match="the batch is full"):
-        batch.add(NewRequest("c", [[4]], {}))
+        batch.add(NewRequest("c", [[4]], RequestSampling()))

@@ -57,7 +57,7 @@ def bad_inputs(vocab: int):
 
 
 def walk(llm: LLM) -> None:
-    vocab = llm.executor.plan_info["vocab_size"]
+    vocab = llm.info.vocab_size
     prompt = {"prompt_token_ids": [7, 8, 9, 10]}
     want = llm.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     mgr = llm.scheduler.manager
@@ -75,7 +75,7 @@ def test_bad_inputs_tp1(model):
         # vLLM's -1: every token of the vocabulary, at every position.
         out = llm.generate({"prompt_token_ids": [3, 4]}, SamplingParams(temperature=0, max_tokens=2, logprobs=-1),
                            use_tqdm=False)[0].outputs[0]
-        vocab = llm.executor.plan_info["vocab_size"]
+        vocab = llm.info.vocab_size
         assert [len(d) for d in out.logprobs] == [vocab, vocab]
         assert all(max(d, key=d.get) == t for d, t in zip(out.logprobs, out.token_ids))
 

@@ -553,8 +553,8 @@ def test_gated_rms_norm_matches_transformers(impl, dtype):
 # ----------------------------------------------------------------------------- benchmark inputs
 
 def test_bench_inputs_build_and_run_on_cpu():
-    """kernels.bench_mamba builds its inputs with any sizes; tiny ones run through the references."""
-    from kernels import bench_mamba
+    """kernels.bench.mamba builds its inputs with any sizes; tiny ones run through the references."""
+    from kernels.bench import mamba as bench_mamba
     inp = bench_mamba.decode_inputs(batch=2, H=4, P=16, N=16, G=1, state_dtype=torch.float32, device=DEVICE)
     selective_state_update_ref(**inp)
     inp = bench_mamba.prefill_inputs(batch=2, seq_len=70, H=4, P=16, N=16, G=1, device=DEVICE)

@@ -5,7 +5,7 @@ import pytest
 
 from distengine.kv_cache.block_pool import EVICT_FIRST, NORMAL
 from distengine.kv_cache.hashing import extend_block_hashes
-from distengine.kv_cache.model_config import CHUNKED, CROSS, FULL, MAMBA, SLIDING, MambaShape
+from distengine.model_config import CHUNKED, CROSS, FULL, MAMBA, SLIDING, MambaShape
 from distengine.kv_cache.single_type_manager import SlidingWindowManager
 from distengine.kv_cache.specs import SlidingWindowSpec
 from distengine.kv_cache.block_pool import BlockPool
@@ -31,7 +31,7 @@ def test_worked_case_10_full_20_sliding():
 
 
 def test_gemma_3_27b_group_size_and_bytes():
-    from distengine.kv_cache.model_config import load_config_dict, parse_model_config
+    from distengine.model_config import load_config_dict, parse_model_config
     from distengine.kv_cache.plan import make_plan, plan_with_group_size
     name, cfg = load_config_dict("gemma-3-27b")
     m = parse_model_config(cfg, name)

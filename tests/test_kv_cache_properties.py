@@ -37,7 +37,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from distengine.kv_cache import KVCacheManager, make_plan
 from distengine.kv_cache.hashing import extend_block_hashes
-from distengine.kv_cache.model_config import CHUNKED, FULL, MAMBA, SLIDING, LayerKV, MambaShape, ModelKVConfig
+from distengine.model_config import CHUNKED, FULL, MAMBA, SLIDING, LayerKV, MambaShape, ModelKVConfig
 from distengine.kv_cache.specs import ChunkedLocalAttentionSpec, MambaSpec, SlidingWindowSpec, cdiv
 from distengine.request import Request
 from tests.helpers import free_ids

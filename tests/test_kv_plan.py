@@ -6,11 +6,11 @@ from collections import Counter
 
 import pytest
 
-from distengine.kv_cache.model_config import (CHUNKED, FULL, MAMBA, SLIDING, ConfigError, builtin_names,
+from distengine.model_config import (CHUNKED, FULL, MAMBA, SLIDING, ConfigError, builtin_names,
                                               load_config_dict, parse_model_config)
 from distengine.kv_cache.plan import make_plan, vllm_group_size
 from launch.cli import main
-from tests.helpers import model, plan_of
+from tests.helpers import plan_of
 
 EXPECTED_KINDS = {
     "llama-3-8b": {FULL: 32}, "qwen3-8b": {FULL: 36}, "mistral-7b": {SLIDING: 32}, "ministral-8b": {SLIDING: 36},

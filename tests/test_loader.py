@@ -15,11 +15,10 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from workers import loader
 from workers import models as registry
-from workers.loader import (MissingShardError, MissingWeightsError, ModelNotFoundError, NoWeightsError,
-                            WeightShapeError, get_weight_shapes, iterate_weights, load_hf_config, load_model,
-                            resolve_dtype, resolve_model_path)
+from distengine.hf_config import ModelNotFoundError, load_hf_config, resolve_dtype, resolve_model_path, text_config
+from workers.loader import (MissingShardError, MissingWeightsError, NoWeightsError, WeightShapeError,
+                            get_weight_shapes, iterate_weights, load_model)
 
 
 class TinyModel(torch.nn.Module):
@@ -154,7 +153,7 @@ def test_float32_checkpoint_is_bf16_on_cuda_only():
 
 def test_multimodal_wrapper_dtype_and_text_config():
     config = transformers.Gemma3Config(text_config={"dtype": "bfloat16", "num_hidden_layers": 2})
-    assert loader.text_config(config).num_hidden_layers == 2
+    assert text_config(config).num_hidden_layers == 2
     assert resolve_dtype(config, device="cpu") == torch.bfloat16
 
 

@@ -17,7 +17,9 @@ from distengine.scheduler import EngineRequest
 from distengine.step import ScheduledRequest, StepPlan
 from tests.conftest import DEVICE
 from tests.test_models import build
-from workers.model_runner import KVCacheTooSmallError, ModelRunner
+from distengine.hf_config import load_hf_config, text_config
+from distengine.kv_cache.sizing import KVCacheTooSmallError, check_fits, engine_plan, num_blocks
+from workers.model_runner import ModelRunner
 
 
 @pytest.fixture(scope="module")
@@ -57,16 +59,26 @@ def test_runner_greedy_with_mixed_batches_matches_generate(checkpoint, overlap):
         assert req.output_token_ids == want
 
 
+def runner_of(cfg: EngineConfig) -> tuple[ModelRunner, EngineConfig]:
+    """A runner as the engine builds one: the config placed and its budget resolved, the plan made
+    on the driver."""
+    cfg = cfg.placed(DEVICE == "cuda").with_token_budget([])
+    text = text_config(load_hf_config(cfg.model)).to_dict()
+    return ModelRunner(cfg, engine_plan(cfg, text)), cfg
+
+
 def test_too_small_cache_says_what_fits(checkpoint):
     _, folder = checkpoint
-    runner = ModelRunner(config(folder, device="cpu"))
+    runner, cfg = runner_of(config(folder, device="cpu"))
     with pytest.raises(KVCacheTooSmallError, match=r"max_model_len <= \d+"):
-        runner.allocate_kv_cache(20)
+        check_fits(cfg, runner.plan, 20, on_gpu=False)
+    with pytest.raises(KVCacheTooSmallError, match=r"max_model_len <= \d+"):
+        EngineCore(config(folder, device="cpu", num_gpu_blocks_override=20))
 
 
 def test_unknown_request_is_refused(checkpoint):
     _, folder = checkpoint
-    runner = ModelRunner(config(folder, device="cpu"))
+    runner, _ = runner_of(config(folder, device="cpu"))
     runner.allocate_kv_cache(200)
     with pytest.raises(KeyError, match="never sent"):
         runner.execute(StepPlan(0, scheduled=[ScheduledRequest("x", 0, 1, [1], [], True)]))
@@ -76,24 +88,29 @@ def test_num_blocks_from_memory(checkpoint, monkeypatch):
     """CPU: kv_cache_memory_bytes, else VLLM_CPU_KVCACHE_SPACE (GiB), else 1 GiB; GPU: what is left
     after a profiling pass at the largest batch. Too little gets advice that fits the device."""
     _, folder = checkpoint
-    runner = ModelRunner(config(folder, gpu_memory_utilization=0.3, kv_cache_memory_bytes=None))
-    n = runner.determine_num_blocks()
+
+    def blocks(cfg: EngineConfig) -> int:
+        runner, cfg = runner_of(cfg)
+        return num_blocks(cfg, runner.plan, [runner.profile_memory()], DEVICE == "cuda")
+
+    runner, _ = runner_of(config(folder))
+    block_bytes = runner.plan.block_bytes
+    n = blocks(config(folder, gpu_memory_utilization=0.3, kv_cache_memory_bytes=None, num_gpu_blocks_override=None))
     if DEVICE == "cpu":
-        assert n == (1 << 30) // runner.plan.block_bytes
+        assert n == (1 << 30) // block_bytes
         monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0.01")
-        assert ModelRunner(config(folder)).determine_num_blocks() == int(0.01 * (1 << 30)) // runner.plan.block_bytes
+        assert blocks(config(folder, num_gpu_blocks_override=None)) == int(0.01 * (1 << 30)) // block_bytes
         monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "lots")
         with pytest.raises(ValueError, match="VLLM_CPU_KVCACHE_SPACE must be a number of GiB"):
             config(folder)
         monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
-        runner = ModelRunner(config(folder, kv_cache_memory_bytes=100_000))
         with pytest.raises(KVCacheTooSmallError, match=r"raise kv_cache_memory_bytes \(or VLLM_CPU_KVCACHE_SPACE"):
-            runner.determine_num_blocks()
+            blocks(config(folder, kv_cache_memory_bytes=100_000, num_gpu_blocks_override=None))
     else:
         free, total = torch.cuda.mem_get_info()
-        assert 0 < n * runner.plan.block_bytes < 0.3 * total
+        assert 0 < n * block_bytes < 0.3 * total
         with pytest.raises(KVCacheTooSmallError, match="raise gpu_memory_utilization"):
-            ModelRunner(config(folder, gpu_memory_utilization=1e-9)).determine_num_blocks()
+            blocks(config(folder, gpu_memory_utilization=1e-9, num_gpu_blocks_override=None))
 
 
 def test_max_model_len_beyond_the_positions_is_refused(checkpoint, tmp_path):

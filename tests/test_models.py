@@ -207,6 +207,16 @@ def test_nemotron_h_expert_layers_are_refused_clearly():
         NemotronHForCausalLM(nemotron, TPGroup(), torch.float32, torch.device("cpu"))
 
 
+def test_a_layer_kind_the_family_does_not_build_is_refused():
+    """The layer kinds come from the config; a family refuses one its layers are not (Granite's
+    layer_types may say "hybrid", Falcon-H1's attention and Mamba side by side)."""
+    from workers.models.granitemoehybrid import GraniteMoeHybridForCausalLM
+    granite = transformers.GraniteMoeHybridConfig(**COMMON, num_hidden_layers=2, layer_types=["mamba", "hybrid"],
+                                                  mamba_n_heads=8, mamba_d_head=16)
+    with pytest.raises(ValueError, match=r"layer 1 has type 'attention\+mamba'; its layers are .*full_attention"):
+        GraniteMoeHybridForCausalLM(granite, TPGroup(), torch.float32, torch.device("cpu"))
+
+
 def test_granite_experts_load_under_both_spellings_and_tp_shards_them(tmp_path):
     """The published names (`input_linear`, `output_linear`, `router.layer`, what save_pretrained
     writes) and transformers 5's in-memory names load the same; a rank's experts hold its slices

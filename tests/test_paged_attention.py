@@ -165,7 +165,7 @@ def test_reference_matches_sdpa_on_contiguous_kv(window, chunk):
         torch.testing.assert_close(ref[qsl[s]:qsl[s + 1]], o.transpose(0, 1), rtol=1e-9, atol=1e-9)
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+@pytest.mark.gpu
 def test_decode_step_replays_in_a_cuda_graph():
     """Fixed grid: a captured decode step replays correctly after seq_lens, block tables and
     queries change in place (the grid depends on the batch shape and num_splits only)."""

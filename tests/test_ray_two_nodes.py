@@ -12,7 +12,6 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
 from tests.test_engine import _hf_greedy, _prompts
 from tests.test_models import build

@@ -1,6 +1,7 @@
 """SamplingParams validation, outputs, incremental detokenisation and stop strings (CPU, fast)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -12,6 +13,7 @@ import torch
 from distengine.detokenizer import IncrementalDetokenizer, check_stop_strings
 from distengine.outputs import CompletionOutput, RequestOutput
 from distengine.sampling_params import SamplingParams
+from distengine.step import NewRequest, RequestSampling, StepPlan
 from workers.sampler import SamplingTensors
 
 WORKER_KEYS = {"temperature", "top_k", "top_p", "min_p", "presence_penalty",
@@ -142,25 +144,28 @@ def test_greedy_as_vllm():
     assert not SamplingParams(temperature=1e-5).is_greedy
 
 
-def test_to_worker_dict_round_trip():
+def test_for_workers_record():
     p = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, presence_penalty=0.5,
                        frequency_penalty=-0.25, repetition_penalty=1.2, seed=1234, logprobs=3,
                        max_tokens=33, stop=["x"], stop_token_ids=[7])
-    d = p.to_worker_dict()
-    assert set(d) == WORKER_KEYS
-    # Round trip: the dict rebuilds the same sampling behaviour.
-    q = SamplingParams(**d)
-    assert q.to_worker_dict() == d
+    r = p.for_workers()
+    assert {f.name for f in dataclasses.fields(r)} == WORKER_KEYS
     for k in WORKER_KEYS:
-        assert getattr(q, k) == getattr(p, k)
-    # Plain scalars only (the plan is sent with msgpack).
-    assert all(v is None or type(v) in (int, float) for v in d.values())
-    msgpack = pytest.importorskip("msgpack")
-    assert msgpack.unpackb(msgpack.packb(d)) == d
+        assert getattr(r, k) == getattr(p, k)
+    assert r.penalised and r.reads_prompt and not r.greedy
+    # Plain scalars only (the plan is sent with msgpack), and it survives the step's encoding.
+    assert all(v is None or type(v) in (int, float) for v in dataclasses.astuple(r))
+    step = StepPlan(3, new_requests=[NewRequest("a", [[1]], r, 2, [1, 2], [3])])
+    assert StepPlan.decode(step.encode()) == step
+    # Greedy is temperature 0; top_k -1 is 0 (off); penalties off are off.
+    g = SamplingParams(temperature=5e-6, top_k=-1).for_workers()
+    assert g.temperature == 0.0 and g.greedy and g.top_k == 0 and not g.penalised and not g.reads_prompt
+    assert SamplingParams(frequency_penalty=0.1).for_workers().penalised
+    assert not SamplingParams(frequency_penalty=0.1).for_workers().reads_prompt
 
-    # The worker sampler accepts it, and agrees with it.
-    greedy = SamplingParams(temperature=0.0).to_worker_dict()
-    st = SamplingTensors.build([d, greedy, SamplingParams().to_worker_dict()],
+    # The worker sampler takes it, and agrees with it.
+    greedy = SamplingParams(temperature=0.0).for_workers()
+    st = SamplingTensors.build([r, greedy, SamplingParams().for_workers()],
                                [[1, 2], [3], []], [[4], [], []], vocab_size=100, device="cpu")
     assert torch.allclose(st.temperature, torch.tensor([0.7, 0.0, 1.0]))
     assert st.top_k.tolist() == [40, 100, 100]
@@ -170,15 +175,14 @@ def test_to_worker_dict_round_trip():
     assert st.num_logprobs == 3
 
 
-def test_worker_dict_big_seed_is_low_64_bits():
+def test_worker_seed_is_low_64_bits():
     big = (5 << 64) + 77
-    d = SamplingParams(seed=big).to_worker_dict()
-    assert d["seed"] == 77
-    d = SamplingParams(seed=(1 << 64) - 1).to_worker_dict()
-    assert d["seed"] == -1
+    assert SamplingParams(seed=big).for_workers().seed == 77
+    r = SamplingParams(seed=(1 << 64) - 1).for_workers()
+    assert r.seed == -1
     # Same tensors as the raw seed would give.
-    a = SamplingTensors.build([d], [[]], [[]], 10, "cpu").seeds
-    b = SamplingTensors.build([{"seed": (1 << 64) - 1}], [[]], [[]], 10, "cpu").seeds
+    a = SamplingTensors.build([r], [[]], [[]], 10, "cpu").seeds
+    b = SamplingTensors.build([RequestSampling(temperature=1.0, seed=(1 << 64) - 1)], [[]], [[]], 10, "cpu").seeds
     assert torch.equal(a, b)
 
 

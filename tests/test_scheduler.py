@@ -13,8 +13,8 @@ import zlib
 import pytest
 
 from distengine.config import EngineConfig
-from distengine.engine_core import EngineCore
-from distengine.kv_cache.model_config import FULL, SLIDING
+from distengine.engine_core import EngineCore, EngineInfo
+from distengine.model_config import FULL, SLIDING
 from distengine.sampling_params import SamplingParams
 from distengine.scheduler import EngineRequest, Scheduler
 from distengine.step import StepOutput, StepPlan
@@ -65,9 +65,8 @@ class FakeRunner:
 class FakeExecutor:
     """What a worker does with `defer_output`: launch now, answer with the previous step's output."""
 
-    def __init__(self, plan, num_blocks: int, budget: int) -> None:
-        self.plan, self.num_blocks, self.pending, self.runner = plan, num_blocks, None, None
-        self.plan_info = {"max_num_batched_tokens": budget}  # what a worker resolves
+    def __init__(self) -> None:
+        self.pending, self.runner = None, None
 
     def execute(self, plan: StepPlan) -> StepOutput | None:
         out = self.runner.run(plan)
@@ -84,8 +83,8 @@ def make_core(num_blocks=400, budget=4096, max_num_seqs=64, caching=True, mode="
     plan = plan_of((FULL, 2), (SLIDING, 2), window=8, block_size=4, group_size=2, max_len=max_len)
     config = EngineConfig(model="fake", max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                           enable_prefix_caching=caching, async_scheduling=mode == "async", max_model_len=max_len)
-    ex = FakeExecutor(plan, num_blocks, budget)
-    core = EngineCore(config, ex)
+    ex = FakeExecutor()
+    core = EngineCore(config, ex, EngineInfo(config, plan, num_blocks, VOCAB, [], []))
     ex.runner = FakeRunner(core.scheduler)
     return core
 
@@ -195,7 +194,7 @@ def test_a_request_is_not_scheduled_past_its_end():
 
 
 def test_too_long_prompt_and_duplicate_id():
-    sched = Scheduler(plan_of((FULL, 1), block_size=4, max_len=32), 100)
+    sched = Scheduler(plan_of((FULL, 1), block_size=4, max_len=32), 100, max_num_seqs=8, max_num_batched_tokens=64)
     with pytest.raises(ValueError, match=r"40 tokens.*max_model_len \(32\)"):
         sched.add_request(EngineRequest("a", [1] * 40))
     sched.add_request(EngineRequest("b", [1]))
@@ -204,8 +203,9 @@ def test_too_long_prompt_and_duplicate_id():
 
 
 def test_steps_round_trip_msgpack():
-    from distengine.step import NewRequest, ScheduledRequest
-    plan = StepPlan(7, [NewRequest("a", [[1, 2], [0, 3]], {"temperature": 0.5, "seed": -(1 << 63)}, 2, [4, 5], [6])],
+    from distengine.step import NewRequest, RequestSampling, ScheduledRequest
+    plan = StepPlan(7, [NewRequest("a", [[1, 2], [0, 3]], RequestSampling(temperature=0.5, seed=-(1 << 63)), 2,
+                                   [4, 5], [6])],
                     [ScheduledRequest("a", 3, 2, [8], [[9], []], True), ScheduledRequest("b", 0, 1, [1], [], False)],
                     ["z"], True)
     assert StepPlan.decode(plan.encode()) == plan

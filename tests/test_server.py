@@ -376,7 +376,7 @@ def test_bench_serve_records_refused_requests(server, tmp_path, capsys):
 def test_bench_serve_against_a_server_without_tokenizer(tmp_path):
     """Random-weight benchmarks serve a model without a tokenizer: token ids in, empty texts out.
     Each streamed chunk is a step of tokens all the same."""
-    from launch.bench_common import build_random_model
+    from launch.bench.common import build_random_model
     from launch.cli import main
     folder = str(tmp_path / "no-tokenizer")
     build_random_model(folder, "tiny", "cpu", weights=False)
@@ -521,7 +521,7 @@ def test_async_llm_refusals_in_either_engine_placement(model, monkeypatch):
 
     from distengine import SamplingParams
     from distengine.async_llm import AsyncLLM, engine_process_default
-    from workers.model_runner import KVCacheTooSmallError
+    from distengine.kv_cache.sizing import KVCacheTooSmallError
     for in_process in (False, True):
         with pytest.raises(KVCacheTooSmallError, match="the KV cache holds 0 blocks"):
             AsyncLLM(model, device="cpu", dtype="float32", max_model_len=256, kv_cache_memory_bytes=1000,
@@ -620,15 +620,16 @@ def test_engine_process_messages_carry_errors_that_do_not_pickle():
     import pickle
 
     from distengine.core_client import _picklable
+    from distengine.engine_messages import EngineDied, StartFailed
 
     class NeedsTwo(Exception):
         def __init__(self, a, b):
             super().__init__(f"{a} and {b}")
 
-    kind, error = pickle.loads(_picklable(("failed", NeedsTwo(1, 2))))
-    assert kind == "failed" and type(error) is RuntimeError and str(error) == "NeedsTwo: 1 and 2"
-    kind, error = pickle.loads(_picklable(("dead", ValueError("max_model_len too large"))))
-    assert type(error) is ValueError and str(error) == "max_model_len too large"
+    msg = pickle.loads(_picklable(StartFailed(NeedsTwo(1, 2))))
+    assert type(msg) is StartFailed and type(msg.error) is RuntimeError and str(msg.error) == "NeedsTwo: 1 and 2"
+    msg = pickle.loads(_picklable(EngineDied(ValueError("max_model_len too large"))))
+    assert type(msg.error) is ValueError and str(msg.error) == "max_model_len too large"
 
 
 def test_stats_line_over_each_interval(caplog):

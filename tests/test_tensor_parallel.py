@@ -87,7 +87,7 @@ def test_tp_size_that_does_not_divide_heads_is_refused():
 
 def test_mamba_configs_that_cannot_be_sharded_are_refused():
     """Mamba heads must split evenly; B/C groups must split with them or each rank must read one."""
-    from distengine.kv_cache.model_config import ConfigError, MambaShape, mamba_groups_per_rank
+    from distengine.model_config import ConfigError, MambaShape, mamba_groups_per_rank
     from workers.layers.mamba import MambaMixer2
     shape = MambaShape(2, intermediate=8 * 16, d_state=16, d_conv=4, n_heads=8, d_head=16, n_groups=2)
     with pytest.raises(ValueError, match="8 Mamba heads cannot be split across tensor-parallel size 3"):
@@ -106,7 +106,7 @@ def test_only_a_forward_that_reduces_them_defers_the_all_reduces():
     own keeps the plain all-reduce, so nothing is left unreduced."""
     from transformers import Gemma2Config, LlamaConfig
 
-    from distengine.kv_cache.model_config import FULL
+    from distengine.model_config import FULL
     from workers.models.gemma2 import Gemma2DecoderLayer
     from workers.models.llama import LlamaDecoderLayer
 

@@ -12,11 +12,6 @@ from distengine.kv_cache.plan import KVCachePlan
 from distengine.kv_cache.specs import MambaSpec
 
 
-def mamba_group_ids(plan: KVCachePlan) -> list[int]:
-    """The Mamba groups in plan order (row j of a step's MambaMetadata is the j-th)."""
-    return [g.group_id for g in plan.groups if isinstance(g.spec, MambaSpec)]
-
-
 def allocate_kv_cache(plan: KVCachePlan, layers: dict[str, nn.Module], num_blocks: int, dtype: torch.dtype,
                       device: torch.device) -> torch.Tensor:
     """The pool, bound to every layer of `layers` (plan layer name -> Attention or MambaMixer2)."""
@@ -24,7 +19,7 @@ def allocate_kv_cache(plan: KVCachePlan, layers: dict[str, nn.Module], num_block
     if missing:
         raise ValueError(f"the plan has layers the model lacks: {', '.join(missing[:4])}")
     pool = torch.zeros(num_blocks, plan.num_slots, plan.page_size_bytes, dtype=torch.uint8, device=device)
-    mamba = mamba_group_ids(plan)
+    mamba = plan.mamba_group_ids
     esize = torch.empty((), dtype=dtype).element_size()
     for name, (group_id, slot) in plan.layer_slots.items():
         spec = plan.groups[group_id].spec

@@ -16,21 +16,11 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig
-
     from workers.parallel import TPGroup
 
+from distengine.hf_config import load_hf_config, resolve_dtype, resolve_model_path
+
 INDEX_FILE = "model.safetensors.index.json"
-ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "tokenizer*"]
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-
-
-class ModelNotFoundError(ValueError):
-    """The model is neither a local folder, nor on a reachable hub, nor in the HF cache."""
 
 
 class MissingShardError(ValueError):
@@ -57,143 +47,6 @@ class LoadableModel(Protocol):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]: ...
 
     def missing_weights(self, loaded: set[str]) -> list[str]: ...
-
-
-# ---------------------------------------------------------------------------------------------
-# Resolving a model id
-
-
-def resolve_model_path(model: str, revision: str | None = None) -> pathlib.Path:
-    """The local folder holding `model`'s config.json: `model` itself when it is a folder,
-    otherwise a hub snapshot (downloaded, or from the HF cache when the hub cannot be reached)."""
-    local = pathlib.Path(model).expanduser()
-    if local.is_file() and local.name == "config.json":
-        local = local.parent
-    if local.is_dir():
-        return _checked_folder(local.resolve(), model)
-    if _looks_like_path(model):
-        raise ModelNotFoundError(f"model folder {model!r} does not exist")
-    return _checked_folder(_snapshot(model, revision), model)
-
-
-def _looks_like_path(model: str) -> bool:
-    """A hub id is "name" or "org/name"; anything else can only have meant a local folder."""
-    return model.startswith((".", "/", "~")) or model.count("/") > 1 or "\\" in model
-
-
-def _checked_folder(folder: pathlib.Path, model: str) -> pathlib.Path:
-    if not (folder / "config.json").is_file():
-        raise ModelNotFoundError(f"model {model!r}: folder {folder} holds no config.json")
-    return folder
-
-
-def _snapshot(repo_id: str, revision: str | None) -> pathlib.Path:
-    """Hub first, then the cache: a machine without network can still serve a cached model."""
-    import huggingface_hub
-    from huggingface_hub import constants
-    from huggingface_hub.errors import (GatedRepoError, HFValidationError, RepositoryNotFoundError,
-                                        RevisionNotFoundError)
-
-    def download(local_files_only: bool) -> pathlib.Path:
-        return pathlib.Path(huggingface_hub.snapshot_download(
-            repo_id, revision=revision, allow_patterns=ALLOW_PATTERNS, local_files_only=local_files_only))
-
-    try:
-        return download(local_files_only=False)
-    except HFValidationError as e:
-        raise ModelNotFoundError(f"model {_model_label(repo_id, revision)} is neither a local folder "
-                                 f"nor a valid Hugging Face hub id: {e}") from e
-    except (GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError) as e:
-        # The hub answered: retrying the cache would only hide its reason.
-        raise ModelNotFoundError(f"model {_model_label(repo_id, revision)} is not a local folder and the "
-                                 f"Hugging Face hub refused it ({type(e).__name__}; a private or gated "
-                                 f"repo needs HF_TOKEN): {_first_line(e)}") from e
-    except Exception as online_error:  # noqa: BLE001 - network failures come in many types
-        try:
-            return download(local_files_only=True)
-        except Exception as cache_error:  # noqa: BLE001
-            raise ModelNotFoundError(
-                f"model {_model_label(repo_id, revision)} is neither a local folder, nor reachable on the "
-                f"Hugging Face hub ({type(online_error).__name__}: {_first_line(online_error)}), nor cached "
-                f"in {constants.HF_HUB_CACHE} (HF_HUB_CACHE / HF_HOME choose it). Pass a local folder, "
-                f"or download it where there is network and copy the cache here; HF_HUB_OFFLINE=1 "
-                f"skips the network and uses the cache only"
-                f"{' (it is set)' if constants.HF_HUB_OFFLINE else ''}") from cache_error
-
-
-def _model_label(repo_id: str, revision: str | None) -> str:
-    return repr(repo_id) if revision is None else f"{repo_id!r} (revision {revision!r})"
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else "no message"
-
-
-# ---------------------------------------------------------------------------------------------
-# Config and dtype
-
-
-def load_hf_config(path: str | os.PathLike) -> PretrainedConfig:
-    """The full config (with `architectures`, which picks our class); the text part of a
-    multimodal wrapper is `text_config(config)`."""
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(str(path))
-
-
-def text_config(config: PretrainedConfig) -> PretrainedConfig:
-    """The language model's config: itself for a text model, `text_config` for Gemma-3 or Llama-4
-    multimodal wrappers, whose layer counts, heads and windows live there."""
-    return config.get_text_config()
-
-
-def resolve_dtype(config: PretrainedConfig, dtype: str | torch.dtype = "auto",
-                  device: torch.device | str | None = None) -> torch.dtype:
-    """The dtype the model's parameters will have.
-
-    "auto" takes the checkpoint's dtype from the config (`dtype`, formerly `torch_dtype`, on the
-    wrapper or its text config), except that a float32 checkpoint is served as bfloat16 on CUDA
-    (float32 would double the memory and run off the tensor cores' fast path) and kept float32 on
-    CPU (CPU bf16 matmuls are slow and less exact, and the CPU tests compare against float32
-    transformers). A config without a dtype is a float32 checkpoint (transformers' default).
-    `device` defaults to CUDA when one is available.
-    """
-    if isinstance(dtype, torch.dtype):
-        return _checked_dtype(dtype, "dtype")
-    if dtype != "auto":
-        if dtype not in DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r}; choose one of: auto, {', '.join(DTYPES)}")
-        return DTYPES[dtype]
-    found = _config_dtype(config)
-    if found == torch.float32 and _device_type(device) == "cuda":
-        return torch.bfloat16
-    return found
-
-
-def _checked_dtype(dtype: torch.dtype, where: str) -> torch.dtype:
-    if dtype not in DTYPES.values():
-        raise ValueError(f"unsupported {where} {dtype}; choose one of: auto, {', '.join(DTYPES)}")
-    return dtype
-
-
-def _config_dtype(config: PretrainedConfig) -> torch.dtype:
-    for cfg in (config, text_config(config)):
-        value = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)
-        if value is not None:
-            if isinstance(value, str):
-                value = DTYPES.get(value.removeprefix("torch."), value)
-            if not isinstance(value, torch.dtype):
-                raise ValueError(f"config.json has dtype {value!r}, which we do not serve; pass dtype= "
-                                 f"one of: {', '.join(DTYPES)}")
-            return _checked_dtype(value, "config.json dtype (pass dtype= explicitly)")
-    return torch.float32
-
-
-def _device_type(device: torch.device | str | None) -> str:
-    if device is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(device).type
 
 
 # ---------------------------------------------------------------------------------------------

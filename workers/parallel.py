@@ -5,7 +5,7 @@ group (world size 1) makes every collective a no-op, so the same model code runs
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -135,6 +135,31 @@ def init_tp_group(rank: int, world_size: int, init_method: str, backend: str | N
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
     return TPGroup(rank, world_size)
+
+
+# Tensors up to this size take the NVLink one-shot all-reduce (a decode step's, up to a few hundred
+# sequences); larger ones (prefills) NCCL.
+CUSTOM_ALL_REDUCE_MAX_BYTES = 1 << 20
+
+
+def with_nvlink_all_reduce(tp: TPGroup, device: torch.device, dtype: torch.dtype) -> TPGroup:
+    """`tp` with the NVLink all-reduce for decode-sized tensors where every rank's GPUs can do it,
+    else as it is (NCCL only). A collective: every rank calls it."""
+    import sys
+    custom = None
+    try:
+        custom = NVLinkAllReduce(device, dtype, CUSTOM_ALL_REDUCE_MAX_BYTES)
+    except Exception as e:  # noqa: BLE001 - no P2P, no symmetric memory: NCCL does it all
+        print(f"rank {tp.rank}: the NVLink all-reduce is unavailable ({type(e).__name__}: {e}); using NCCL",
+              file=sys.stderr)
+    # Every rank or none: one rank in the NVLink kernel while another waits in NCCL would hang both.
+    ok = torch.tensor([int(custom is not None)], dtype=torch.int32)  # a CPU tensor: through gloo
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if not ok.item():
+        if custom is not None:
+            print(f"rank {tp.rank}: another rank cannot use the NVLink all-reduce; using NCCL", file=sys.stderr)
+        return tp
+    return replace(tp, custom=custom)
 
 
 def split_evenly(n: int, tp: TPGroup, what: str) -> tuple[int, int]:

@@ -9,8 +9,8 @@ Pipeline of `sample` (row = one request sampled this step):
 2. Logprobs (when asked) = ``log_softmax`` of the *penalised* logits, before temperature, top-k,
    top-p and min-p.  NOTE: vLLM's default ``raw_logprobs`` mode takes them before penalties; here
    they are taken after penalties, before any other processing (as the engine's spec asks).
-3. Greedy rows (temperature < 1e-5, stored as 0 by `build`) take ``argmax`` of the penalised
-   logits (ties: lowest token id).
+3. Greedy rows (temperature 0, as `SamplingParams.for_workers` stores any temperature below
+   1e-5) take ``argmax`` of the penalised logits (ties: lowest token id).
 4. Other rows: divide by temperature; top-k (keep every token whose logit is >= the k-th largest,
    so ties at the boundary may keep more than k); top-p on the tempered distribution (keep the
    smallest prefix of the descending-sorted tokens whose cumulative probability is >= p, never
@@ -41,16 +41,15 @@ any row is seeded, and a sort of [N, V] when any row uses top-k or top-p.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["SamplingTensors", "SamplerOutput", "sample", "apply_penalties", "seeded_uniform",
-           "SAMPLING_EPS"]
+from distengine.step import RequestSampling
 
-SAMPLING_EPS = 1e-5  # temperatures below this are greedy (as vLLM's _SAMPLING_EPS)
+__all__ = ["SamplingTensors", "SamplerOutput", "sample", "apply_penalties", "seeded_uniform"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -93,89 +92,13 @@ def seeded_uniform(seeds: Tensor, counts: Tensor, vocab_size: int) -> Tensor:
     return (_shr(z, 41) * 2 + 1).to(torch.float32) * (2.0 ** -24)
 
 
-@dataclass(frozen=True)
-class RowParams:
-    """One request's sampling parameters, checked and normalised (see `row_params`)."""
-    temperature: float  # 0 = greedy
-    top_k: int          # V = off
-    top_p: float
-    min_p: float
-    presence_penalty: float
-    frequency_penalty: float
-    repetition_penalty: float
-    seed: int           # low 64 bits as a signed int64; 0 when unseeded
-    has_seed: bool
-    num_logprobs: int   # top-k size asked (V for -1), 0 for none
-    want_logprobs: bool
-    has_top_k: bool     # top_k < V
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def uses_counts(self) -> bool:
-        """A penalty that reads the output token counts."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-
-
-def row_params(p: dict, vocab_size: int, index: int = 0) -> RowParams:
-    """Validate and normalise one request's param dict (`SamplingParams.to_worker_dict()`).
-    Missing / None keys take their "off" defaults; a broken value raises ValueError naming the
-    field (and the request's index)."""
-    V = int(vocab_size)
-
-    def get(key, default):
-        v = p.get(key, default)
-        return default if v is None else v
-
-    def bad(field, v, rule):
-        return ValueError(f"request {index}: {field} must be {rule}, got {v!r}")
-
-    temp = float(get("temperature", 1.0))
-    if not math.isfinite(temp) or temp < 0:
-        raise bad("temperature", temp, "finite and >= 0")
-    tk = get("top_k", 0)
-    if isinstance(tk, bool) or int(tk) != tk or tk < -1:
-        raise bad("top_k", tk, "an int >= 0 (or -1 = off)")
-    tk = int(tk)
-    tp = float(get("top_p", 1.0))
-    if not (0.0 < tp <= 1.0):
-        raise bad("top_p", tp, "in (0, 1]")
-    mp = float(get("min_p", 0.0))
-    if not (0.0 <= mp <= 1.0):
-        raise bad("min_p", mp, "in [0, 1]")
-    pp = float(get("presence_penalty", 0.0))
-    if not math.isfinite(pp):
-        raise bad("presence_penalty", pp, "finite")
-    fp = float(get("frequency_penalty", 0.0))
-    if not math.isfinite(fp):
-        raise bad("frequency_penalty", fp, "finite")
-    rp = float(get("repetition_penalty", 1.0))
-    if not math.isfinite(rp) or rp <= 0:
-        raise bad("repetition_penalty", rp, "finite and > 0")
-    seed = p.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise bad("seed", seed, "None or an int")
-    lp = p.get("logprobs")
-    if lp is not None:
-        if isinstance(lp, bool) or not isinstance(lp, int) or lp < -1:
-            raise bad("logprobs", lp, "None, an int >= 0, or -1 (= whole vocabulary)")
-        lp = V if lp == -1 else min(lp, V)
-    greedy = temp < SAMPLING_EPS
-    return RowParams(temperature=0.0 if greedy else temp, top_k=V if tk <= 0 or tk >= V else tk, top_p=tp,
-                     min_p=mp, presence_penalty=pp, frequency_penalty=fp, repetition_penalty=rp,
-                     seed=_i64(seed) if seed is not None else 0, has_seed=seed is not None,
-                     num_logprobs=lp or 0, want_logprobs=lp is not None, has_top_k=0 < tk < V)
-
-
 @dataclass
 class SamplingTensors:
     """Per-step sampling parameters, one row per request sampled this step (same order as the
-    logits rows); tensors live on the logits' device. `build` packs them from param dicts and
-    token lists; the workers' persistent batch gathers them from its device-resident rows.
+    logits rows); tensors live on the logits' device. `build` packs them from per-request records
+    and token lists; the workers' persistent batch gathers them from its device-resident rows.
 
-    Conventions: temperature 0 = greedy; top_k in {0, <0, >= V} = off (stored as V);
+    Conventions: temperature 0 = greedy; top_k off is stored as V;
     top_p 1 = off; min_p 0 = off; presence/frequency 0 = off; repetition 1 = off.
     The penalty state is None when no row needs it.
     """
@@ -202,24 +125,12 @@ class SamplingTensors:
     all_seeded: bool = False     # every non-greedy row is seeded: skip torch.rand
     generator: torch.Generator | None = None  # for unseeded rows (every TP rank draws the same)
 
-    @staticmethod
-    def flags(rows: list[RowParams]) -> dict:
-        """The batch flags, over the rows that sample (greedy rows ignore top-k/p, min-p, seeds)."""
-        sampled = [r for r in rows if not r.greedy]
-        return dict(num_logprobs=max((r.num_logprobs for r in rows), default=0),
-                    any_penalties=any(r.uses_counts for r in rows),
-                    any_top_k=any(r.has_top_k for r in sampled),
-                    any_top_p=any(r.top_p < 1.0 for r in sampled),
-                    any_min_p=any(r.min_p > 0.0 for r in sampled),
-                    all_greedy=not sampled, any_seeded=any(r.has_seed for r in sampled),
-                    want_logprobs=any(r.want_logprobs for r in rows),
-                    all_seeded=bool(sampled) and all(r.has_seed for r in sampled))
-
     @classmethod
-    def build(cls, params: list[dict], prompt_token_ids: list[list[int]],
+    def build(cls, params: list[RequestSampling], prompt_token_ids: list[list[int]],
               output_token_ids: list[list[int]], vocab_size: int, device,
               generator: torch.Generator | None = None) -> "SamplingTensors":
-        """Validate and pack per-request params (see `row_params`) and token lists."""
+        """Pack per-request records (checked on the driver: `SamplingParams.for_workers`) and
+        token lists; what the profiling pass and the tests sample with."""
         n = len(params)
         if len(prompt_token_ids) != n or len(output_token_ids) != n:
             raise ValueError(f"params ({n}), prompt_token_ids ({len(prompt_token_ids)}) and "
@@ -227,10 +138,12 @@ class SamplingTensors:
         if vocab_size <= 0:
             raise ValueError(f"vocab_size must be > 0, got {vocab_size}")
         V = int(vocab_size)
-        rows = [row_params(p, V, i) for i, p in enumerate(params)]
-        flags = cls.flags(rows)
+        rows = RowFlags(n)
+        for i, r in enumerate(params):
+            rows.set(i, r, V)
+        flags = rows.batch(np.arange(n))
         dev = torch.device(device)
-        any_rep = any(r.repetition_penalty != 1.0 for r in rows)
+        any_rep = bool(rows.reads_prompt.any())
 
         def counts(lists: list[list[int]]) -> Tensor:
             out = torch.zeros((n, V), dtype=torch.int32)
@@ -239,19 +152,73 @@ class SamplingTensors:
                     out[i] += torch.bincount(torch.tensor(toks, dtype=torch.int64), minlength=V).to(torch.int32)
             return out.to(dev)
 
-        def col(name: str, dtype) -> Tensor:
-            return torch.tensor([getattr(r, name) for r in rows], dtype=dtype).to(dev)
+        def col(values: list, dtype) -> Tensor:
+            return torch.tensor(values, dtype=dtype).to(dev)
 
         f32 = torch.float32
         return cls(
-            temperature=col("temperature", f32), top_k=col("top_k", torch.int64), top_p=col("top_p", f32),
-            min_p=col("min_p", f32), presence_penalty=col("presence_penalty", f32),
-            frequency_penalty=col("frequency_penalty", f32), repetition_penalty=col("repetition_penalty", f32),
-            seeds=col("seed", torch.int64), has_seed=col("has_seed", torch.bool),
+            temperature=col([r.temperature for r in params], f32),
+            top_k=col([top_k_or_vocab(r, V) for r in params], torch.int64),
+            top_p=col([r.top_p for r in params], f32), min_p=col([r.min_p for r in params], f32),
+            presence_penalty=col([r.presence_penalty for r in params], f32),
+            frequency_penalty=col([r.frequency_penalty for r in params], f32),
+            repetition_penalty=col([r.repetition_penalty for r in params], f32),
+            seeds=col([seed_bits(r) for r in params], torch.int64),
+            has_seed=col([r.seed is not None for r in params], torch.bool),
             output_token_counts=torch.tensor([len(o) for o in output_token_ids], dtype=torch.int64).to(dev),
             prompt_mask=counts(prompt_token_ids).gt(0) if any_rep else None,
             output_counts=counts(output_token_ids) if flags["any_penalties"] else None,
             generator=generator, **flags)
+
+
+class RowFlags:
+    """Per-row facts of the requests' sampling records, from which a step's batch flags follow:
+    numpy arrays, so that a step's flags cost O(batch) without a Python loop over its rows."""
+
+    def __init__(self, num_rows: int) -> None:
+        self.greedy = np.ones(num_rows, dtype=bool)
+        self.top_k = np.zeros(num_rows, dtype=bool)
+        self.top_p = np.zeros(num_rows, dtype=bool)
+        self.min_p = np.zeros(num_rows, dtype=bool)
+        self.penalised = np.zeros(num_rows, dtype=bool)
+        self.reads_prompt = np.zeros(num_rows, dtype=bool)
+        self.seeded = np.zeros(num_rows, dtype=bool)
+        self.logprobs = np.full(num_rows, -1, dtype=np.int64)  # -1: none asked
+
+    def set(self, row: int, r: RequestSampling, vocab_size: int) -> None:
+        self.greedy[row], self.top_k[row], self.top_p[row] = r.greedy, 0 < r.top_k < vocab_size, r.top_p < 1.0
+        self.min_p[row], self.penalised[row], self.reads_prompt[row] = r.min_p > 0.0, r.penalised, r.reads_prompt
+        self.seeded[row] = r.seed is not None
+        self.logprobs[row] = num_logprobs(r, vocab_size) if r.logprobs is not None else -1
+
+    def batch(self, rows: np.ndarray) -> dict:
+        """`SamplingTensors`' flags for these rows; greedy rows ignore top-k/p, min-p and seeds."""
+        greedy = self.greedy[rows]
+        sampled = ~greedy
+        lp = self.logprobs[rows]
+        return dict(num_logprobs=int(max(lp.max(initial=-1), 0)), any_penalties=bool(self.penalised[rows].any()),
+                    any_top_k=bool((self.top_k[rows] & sampled).any()),
+                    any_top_p=bool((self.top_p[rows] & sampled).any()),
+                    any_min_p=bool((self.min_p[rows] & sampled).any()), all_greedy=bool(greedy.all()),
+                    any_seeded=bool((self.seeded[rows] & sampled).any()), want_logprobs=bool((lp >= 0).any()),
+                    all_seeded=bool(sampled.any() and self.seeded[rows][sampled].all()))
+
+
+def top_k_or_vocab(r: RequestSampling, vocab_size: int) -> int:
+    """The tensors' convention: top-k off is the whole vocabulary."""
+    return r.top_k if 0 < r.top_k < vocab_size else vocab_size
+
+
+def num_logprobs(r: RequestSampling, vocab_size: int) -> int:
+    """The top-k logprobs a request asks for (-1: the whole vocabulary), 0 for none."""
+    if r.logprobs is None:
+        return 0
+    return vocab_size if r.logprobs == -1 else min(r.logprobs, vocab_size)
+
+
+def seed_bits(r: RequestSampling) -> int:
+    """The seed as the int64 the counter hash mixes (0 when unseeded: `has_seed` tells)."""
+    return _i64(r.seed) if r.seed is not None else 0
 
 
 @dataclass
@@ -310,7 +277,7 @@ def _uniform_noise(t: SamplingTensors, N: int, V: int, device) -> Tensor:
 def _random_sample(x: Tensor, t: SamplingTensors) -> Tensor:
     """Temperature, top-k, top-p, min-p, then exponential race.  Does not modify x."""
     N, V = x.shape
-    temp = torch.where(t.temperature < SAMPLING_EPS, 1.0, t.temperature)
+    temp = torch.where(t.temperature == 0.0, 1.0, t.temperature)
     x = x / temp.unsqueeze(1)
     if t.any_top_k or t.any_top_p:
         x = _top_k_top_p(x, t)
@@ -342,7 +309,7 @@ def sample(logits: Tensor, t: SamplingTensors) -> SamplerOutput:
     if t.all_greedy:
         tokens = greedy
     else:
-        tokens = torch.where(t.temperature < SAMPLING_EPS, greedy, _random_sample(x, t))
+        tokens = torch.where(t.temperature == 0.0, greedy, _random_sample(x, t))
     out.token_ids = tokens
     if lp is not None:
         out.logprobs = lp.gather(1, tokens.unsqueeze(1)).squeeze(1)

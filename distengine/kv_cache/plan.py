@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from distengine.kv_cache.model_config import (CHUNKED, CROSS, FULL, MAMBA, SLIDING, ConfigError, LayerKV,
+from distengine.model_config import (CHUNKED, CROSS, FULL, MAMBA, SLIDING, ConfigError, LayerKV,
                                               ModelKVConfig)
 from distengine.kv_cache.specs import (ChunkedLocalAttentionSpec, CrossAttentionSpec, FullAttentionSpec,
                                        KVCacheSpec, MambaSpec, SlidingWindowSpec, cdiv)
@@ -63,6 +63,11 @@ class KVCachePlan:
     dtype_bytes: int = 2
     state_pages: int = 1  # pages one Mamba state spans
     mamba_checkpoint_interval: int | None = None  # as asked (None: the default)
+
+    @property
+    def mamba_group_ids(self) -> list[int]:
+        """The Mamba groups in plan order: a step's Mamba metadata has a row for each, in this order."""
+        return [g.group_id for g in self.groups if g.spec.kind == MAMBA]
 
     @property
     def block_bytes(self) -> int:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distengine.kv_cache.model_config import MambaShape, StateLayout, mamba_groups_per_rank
+from distengine.model_config import MambaShape, StateLayout, mamba_groups_per_rank
 from workers.layers.attention import AttentionMetadata
 from workers.layers.linear import RowParallelLinear
 from workers.ops import (causal_conv1d_update_op, causal_conv1d_varlen_op, gated_rms_norm_op, linear_op,

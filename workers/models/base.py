@@ -38,12 +38,15 @@ class DecoderForCausalLM(nn.Module):
     """Subclasses build `self.model` (embed_tokens, layers, norm) and `self.lm_head`."""
 
     tie_word_embeddings = False
+    # The checkpoint parts this model fuses into one parameter (a model whose MLP keeps an
+    # unfused up_proj, say, fuses fewer).
+    stacked = STACKED
     # Checkpoint name prefixes that hold no weight of ours (vision towers and the like).
     ignored_prefixes: tuple[str, ...] = ()
 
     def checkpoint_to_param(self, name: str) -> tuple[str, object]:
         """Our parameter name and shard for a checkpoint tensor name."""
-        for fused, part, shard in STACKED:
+        for fused, part, shard in self.stacked:
             if f".{part}." in name:
                 return name.replace(f".{part}.", f".{fused}."), shard
         return name, None
@@ -52,7 +55,7 @@ class DecoderForCausalLM(nn.Module):
         shapes: dict[str, tuple[int, ...]] = {}
         for path, module in self.named_modules():
             if isinstance(module, (QKVParallelLinear, MergedColumnParallelLinear)):
-                for fused, part, shard in STACKED:
+                for fused, part, shard in self.stacked:
                     if path.endswith(fused):
                         shapes[f"{path[: -len(fused)]}{part}.weight"] = module.part_shapes(shard)
                         if module.bias is not None:

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from distengine.kv_cache.model_config import SLIDING
+from distengine.model_config import SLIDING
 from workers.layers.attention import AttentionMetadata
 from workers.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 

@@ -24,20 +24,12 @@ Two cache entries per layer: the attention's KV under "model.layers.{i}", the Ma
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from distengine.kv_cache.model_config import PARALLEL
+from distengine.model_config import PARALLEL
 from workers.layers.attention import AttentionMetadata
-from workers.layers.mamba import MambaMixer2
-from workers.models.bamba import MambaHybridForCausalLM
-from workers.models.llama import DecoderModel, LlamaAttention, LlamaMLP, RMSNorm
+from workers.models.hybrid import HybridDecoderLayer, HybridForCausalLM, HybridModel, multiplier
+from workers.models.llama import LlamaAttention, LlamaMLP
 from workers.ops import rotary_op
-from workers.parallel import TPGroup
-
-
-def multiplier(config, name: str) -> float:
-    value = getattr(config, name, None)
-    return 1.0 if value is None else float(value)
 
 
 class FalconH1Attention(LlamaAttention):
@@ -80,73 +72,22 @@ class FalconH1MLP(LlamaMLP):
         return out * self.down_mult if self.down_mult != 1.0 else out
 
 
-class FalconH1DecoderLayer(nn.Module):
-    def __init__(self, model: FalconH1ForCausalLM, config, i: int, kind: str, tp, dtype, device,
-                 rope_cache) -> None:
-        super().__init__()
-        prefix = f"model.layers.{i}"
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
-        self.pre_ff_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
-        self.mamba = model.mixer(config, tp, dtype, device, f"{prefix}.mamba")
-        self.self_attn = FalconH1Attention(config, i, kind, tp, dtype, device, f"{prefix}.self_attn", rope_cache)
-        self.feed_forward = FalconH1MLP(config, tp, dtype, device, f"{prefix}.feed_forward",
-                                        bool(getattr(config, "mlp_bias", False)))
-        self.ssm_in = multiplier(config, "ssm_in_multiplier")
-        self.ssm_out = multiplier(config, "ssm_out_multiplier")
+class FalconH1DecoderLayer(HybridDecoderLayer):
+    """Attention and the Mamba mixer side by side (`ssm_in_multiplier` / `ssm_out_multiplier`
+    around the mixer), then the pre-norm MLP."""
 
-    def forward(self, positions, x, residual, meta):
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        m = self.mamba(h * self.ssm_in if self.ssm_in != 1.0 else h, meta)
-        if self.ssm_out != 1.0:
-            m = m * self.ssm_out
-        a = self.self_attn(positions, h, meta)
-        h, residual = self.pre_ff_layernorm(m + a, residual)
-        return self.feed_forward(h), residual
+    kinds = frozenset({PARALLEL})
+    attention_cls = FalconH1Attention
+    mlp_cls = FalconH1MLP
 
 
-class FalconH1DecoderModel(DecoderModel):
-    norm_name = "final_layernorm"
+class FalconH1ForCausalLM(HybridForCausalLM):
+    decoder_layer_cls = FalconH1DecoderLayer
+    model_cls = HybridModel.named("final_layernorm")
 
-    def __init__(self, config, layers, tp, dtype, device, norm) -> None:
-        super().__init__(config, layers, tp, dtype, device, norm)
-        self.embedding_multiplier = multiplier(config, "embedding_multiplier")
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embedding(input_ids)
-        return x * self.embedding_multiplier if self.embedding_multiplier != 1.0 else x
-
-
-class FalconH1ForCausalLM(MambaHybridForCausalLM):
-    model_cls = FalconH1DecoderModel
-
-    def __init__(self, config, tp: TPGroup, dtype: torch.dtype, device: torch.device,
-                 max_positions: int | None = None) -> None:
-        super().__init__(config, tp, dtype, device, max_positions)
-        self.lm_head_multiplier = multiplier(config, "lm_head_multiplier")
-
-    def make_layer(self, config, i, kind, tp, dtype, device, rope_cache):
-        if kind != PARALLEL:
-            raise ValueError(f"Falcon-H1: layer {i} has type {kind!r}; every Falcon-H1 layer runs attention "
-                             f"and Mamba side by side")
-        return FalconH1DecoderLayer(self, config, i, kind, tp, dtype, device, rope_cache)
-
-    def mixer(self, config, tp, dtype, device, prefix):
-        proj_bias = bool(getattr(config, "mamba_proj_bias", False))
+    def mixer_options(self, config) -> dict:
         scale = [float(m) for m in (getattr(config, "ssm_multipliers", None) or [1.0] * 5)]
-        return MambaMixer2(config.hidden_size, self.shape, tp, dtype, device, prefix,
-                           conv_bias=bool(getattr(config, "mamba_conv_bias", True)), proj_bias=proj_bias,
-                           out_bias=bool(getattr(config, "projectors_bias", False)),
-                           activation=getattr(config, "hidden_act", "silu"),
-                           rms_norm=bool(getattr(config, "mamba_rms_norm", False)),
-                           norm_before_gate=bool(getattr(config, "mamba_norm_before_gate", True)),
-                           eps=config.rms_norm_eps,
-                           dt_limit=tuple(getattr(config, "time_step_limit", None) or (0.0, float("inf"))),
-                           proj_scale=None if all(m == 1.0 for m in scale) else scale)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = super().compute_logits(hidden)
-        return logits * self.lm_head_multiplier if self.lm_head_multiplier != 1.0 else logits
+        return {**super().mixer_options(config), "out_bias": bool(getattr(config, "projectors_bias", False)),
+                "rms_norm": bool(getattr(config, "mamba_rms_norm", False)),
+                "norm_before_gate": bool(getattr(config, "mamba_norm_before_gate", True)),
+                "proj_scale": None if all(m == 1.0 for m in scale) else scale}

@@ -20,19 +20,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from distengine.kv_cache.model_config import MAMBA, MLP, MOE, PARALLEL
 from workers.layers.linear import RowParallelLinear
 from workers.layers.mamba import Segmented
 from workers.layers.moe import FusedMoE, Router
-from workers.models.bamba import MambaHybridForCausalLM
-from workers.models.llama import DecoderModel, LlamaAttention, RMSNorm
+from workers.models.hybrid import HybridDecoderLayer, HybridForCausalLM, multiplier
+from workers.models.llama import LlamaAttention
 from workers.ops import act_and_mul, linear_op
 from workers.parallel import TPGroup, split_evenly
-
-
-def multiplier(config, name: str) -> float:
-    value = getattr(config, name, None)
-    return 1.0 if value is None else float(value)
 
 
 class GraniteMoeHybridAttention(LlamaAttention):
@@ -72,100 +66,29 @@ class GraniteMoE(nn.Module):
         return self.experts(x, self.router(x))
 
 
-class GraniteMoeHybridDecoderLayer(nn.Module):
+class GraniteMoeHybridDecoderLayer(HybridDecoderLayer):
     """Pre-norm Mamba-2 or attention, then the pre-norm shared MLP (with the routed experts beside
     it, their sums added before one all-reduce); each output scaled by the residual multiplier
     before the (fused) residual add."""
 
-    def __init__(self, model: MambaHybridForCausalLM, config, i: int, kind: str, tp, dtype, device,
-                 rope_cache) -> None:
-        super().__init__()
-        prefix = f"model.layers.{i}"
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
-        if kind == MAMBA:
-            self.mamba = model.mixer(config, tp, dtype, device, f"{prefix}.mamba")
-        else:
-            self.self_attn = GraniteMoeHybridAttention(config, i, kind, tp, dtype, device, f"{prefix}.self_attn",
-                                                       rope_cache)
+    ff_norm_name = "post_attention_layernorm"
+    attention_cls = GraniteMoeHybridAttention
+
+    def build_feed_forward(self, config, tp, dtype, device, prefix: str) -> None:
         # With experts, both sums leave through one all-reduce (the layer's), not one each.
         self.block_sparse_moe = GraniteMoE(config, tp, dtype, device, f"{prefix}.block_sparse_moe") \
             if num_experts(config) > 0 else None
         self.shared_mlp = GraniteSharedMLP(config, tp, dtype, device, f"{prefix}.shared_mlp",
                                            reduce=self.block_sparse_moe is None)
-        self.tp = tp
-        self.residual_multiplier = multiplier(config, "residual_multiplier")
 
-    def _scaled(self, h: torch.Tensor) -> torch.Tensor:
-        return h * self.residual_multiplier if self.residual_multiplier != 1.0 else h
-
-    def forward(self, positions, x, residual, meta):
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.mamba(h, meta) if hasattr(self, "mamba") else self.self_attn(positions, h, meta)
-        h, residual = self.post_attention_layernorm(self._scaled(h), residual)
+    def run_feed_forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.block_sparse_moe is None:
-            return self._scaled(self.shared_mlp(h)), residual
-        return self._scaled(self.tp.all_reduce(self.block_sparse_moe(h) + self.shared_mlp(h))), residual
-
-
-class GraniteMoeHybridDecoderModel(DecoderModel):
-    def __init__(self, config, layers, tp, dtype, device, norm) -> None:
-        super().__init__(config, layers, tp, dtype, device, norm)
-        self.embedding_multiplier = multiplier(config, "embedding_multiplier")
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embedding(input_ids)
-        return x * self.embedding_multiplier if self.embedding_multiplier != 1.0 else x
+            return self.shared_mlp(h)
+        return self.tp.all_reduce(self.block_sparse_moe(h) + self.shared_mlp(h))
 
 
 def num_experts(config) -> int:
     return int(getattr(config, "num_local_experts", 0) or 0)
-
-
-class GraniteMoeHybridForCausalLM(MambaHybridForCausalLM):
-    model_cls = GraniteMoeHybridDecoderModel
-
-    def __init__(self, config, tp: TPGroup, dtype: torch.dtype, device: torch.device,
-                 max_positions: int | None = None) -> None:
-        super().__init__(config, tp, dtype, device, max_positions)
-        self.logits_scaling = multiplier(config, "logits_scaling")
-
-    def make_layer(self, config, i, kind, tp, dtype, device, rope_cache):
-        if kind in (MLP, MOE, PARALLEL):
-            raise ValueError(f"Granite-4.0-H: layer {i} has type {kind!r}; its layers are attention or Mamba")
-        return GraniteMoeHybridDecoderLayer(self, config, i, kind, tp, dtype, device, rope_cache)
-
-    def rope_caches(self, config, kinds, device):
-        if getattr(config, "position_embedding_type", None) != "rope":
-            return [None] * len(kinds)  # NoPE
-        return super().rope_caches(config, kinds, device)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = super().compute_logits(hidden)
-        return logits / self.logits_scaling if self.logits_scaling != 1.0 else logits
-
-    # ---- weights: the experts under their checkpoint names or transformers 5's ---------------
-    def checkpoint_to_param(self, name: str) -> tuple[str, object]:
-        return super().checkpoint_to_param(our_name(name))
-
-    def expected_checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
-        out: dict[str, tuple[int, ...]] = {}
-        for name, shape in super().expected_checkpoint_shapes().items():
-            for ours, spellings in EXPERT_NAMES.items():
-                if name.endswith(ours):
-                    out.update({name[: -len(ours)] + s: shape for s in spellings})
-                    break
-            else:
-                out[name] = shape
-        return out
-
-    def missing_weights(self, loaded: set[str]) -> list[str]:
-        missing = set(super().expected_checkpoint_shapes()) - {our_name(n) for n in loaded}
-        return sorted(published_name(n) for n in missing)  # as a user finds them in the checkpoint
 
 
 # Our parameter (suffix) -> its checkpoint spellings: the published one, then transformers 5's.
@@ -177,16 +100,24 @@ EXPERT_NAMES = {
 }
 
 
-def published_name(name: str) -> str:
-    for ours, spellings in EXPERT_NAMES.items():
-        if name.endswith(ours):
-            return name[: -len(ours)] + spellings[0]
-    return name
+class GraniteMoeHybridForCausalLM(HybridForCausalLM):
+    decoder_layer_cls = GraniteMoeHybridDecoderLayer
 
+    def rope_caches(self, config, kinds, device):
+        if getattr(config, "position_embedding_type", None) != "rope":
+            return [None] * len(kinds)  # NoPE
+        return super().rope_caches(config, kinds, device)
 
-def our_name(name: str) -> str:
-    for ours, spellings in EXPERT_NAMES.items():
-        for s in spellings:
-            if name.endswith(s):
-                return name[: -len(s)] + ours
-    return name
+    # ---- weights: the experts under their published checkpoint names or transformers 5's -----
+    def our_name(self, checkpoint_name: str) -> str:
+        for ours, spellings in EXPERT_NAMES.items():
+            for s in spellings:
+                if checkpoint_name.endswith(s):
+                    return checkpoint_name[: -len(s)] + ours
+        return checkpoint_name
+
+    def spellings(self, name: str) -> tuple[str, ...]:
+        for ours, spellings in EXPERT_NAMES.items():
+            if name.endswith(ours):
+                return tuple(name[: -len(ours)] + s for s in spellings)
+        return (name,)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from distengine.kv_cache.model_config import CHUNKED, SLIDING, decoder_layer_kinds
+from distengine.model_config import CHUNKED, SLIDING, decoder_layer_kinds
 from kernels.rotary import make_rope_cache
 from workers.layers.attention import Attention, AttentionMetadata
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding

@@ -1,0 +1,100 @@
+"""Timing of the routed-experts op (`fused_experts`) at published MoE shapes, on one GPU, against
+(a) the HBM roofline of the experts a batch touches (their weight bytes over the copy bandwidth
+measured in the same run; past a few hundred tokens the tensor-core FLOPs of k experts per
+token at the product rate measured in the same run) and (b) a plain bf16 torch loop over the
+chosen experts (transformers' eager experts: gather, two products, index_add).
+
+    python -m kernels.bench.moe
+
+Routing is uniform (random logits, top-k, softmax over the k), as random router weights give.
+Ours runs inside a CUDA graph (as the engine's decode does) and eagerly; the torch loop eagerly
+(its shapes depend on the routing). The alignment on its own (pairs sorted by expert, in CUDA
+graphs): the one-program Triton kernel against the torch ops. `triton.testing.do_bench` medians,
+cold L2.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.activation import silu_and_mul
+from kernels.fused_moe import ALIGN_KERNEL_MAX_PAIRS, fused_experts, moe_align_kernel, moe_align_torch, moe_config
+
+# name: (experts, per token, hidden, expert intermediate)
+SHAPES = {"granite-4.0-h-tiny": (64, 6, 1536, 512), "granite-4.0-h-small": (72, 10, 4096, 768),
+          "gpt-oss-20b (bf16)": (32, 4, 2880, 2880)}
+TOKENS = (1, 8, 32, 128, 256, 1024)
+
+
+def torch_loop(x, w13, w2, weights, ids):
+    out = torch.zeros_like(x)
+    inter = w2.shape[2]
+    for e in ids.unique().tolist():
+        tok, j = (ids == e).nonzero(as_tuple=True)
+        h = torch.nn.functional.linear(x[tok], w13[e])
+        h = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+        out.index_add_(0, tok, torch.nn.functional.linear(h, w2[e]) * weights[tok, j, None])
+    return out
+
+
+def graph_us(fn) -> float:
+    from triton.testing import do_bench
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    return do_bench(graph.replay) * 1e3
+
+
+def expert_weights(e: int, h: int, inter: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random bf16 experts of a shape, (w13 [E, 2I, H], w2 [E, H, I]), scaled to keep outputs O(1)."""
+    w13 = torch.randn(e, 2 * inter, h, device="cuda", dtype=torch.bfloat16, generator=g) * h ** -0.5
+    w2 = torch.randn(e, h, inter, device="cuda", dtype=torch.bfloat16, generator=g) * inter ** -0.5
+    return w13, w2
+
+
+def time_shape(name: str, shape: tuple[int, int, int, int], bw: float, rate: float, g: torch.Generator) -> None:
+    """One row per token count of TOKENS. A function of its own so that the shape's experts (and
+    the timed closures over them) are freed when it returns, before the next shape's."""
+    from triton.testing import do_bench
+    e, k, h, inter = shape
+    w13, w2 = expert_weights(e, h, inter, g)
+    for t in TOKENS:
+        x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g)
+        top, ids = torch.rand(t, e, device="cuda", generator=g).topk(k, dim=1)
+        weights = torch.softmax(top, dim=1).to(torch.bfloat16)
+        run = lambda: fused_experts(x, w13, w2, weights, ids, silu_and_mul)  # noqa: E731
+        err = (run().float() - torch_loop(x, w13, w2, weights, ids).float()).norm() / \
+            torch_loop(x, w13, w2, weights, ids).float().norm()
+        assert err < 2e-2, f"{name} T={t}: relative error {err:.3g}"
+        used = ids.unique().numel()
+        nbytes = used * 3 * inter * h * 2 + 2 * t * h * 2
+        roof = max(nbytes / bw, 2 * t * k * 3 * inter * h / rate) * 1e6
+        t_graph = graph_us(run)
+        t_eager = do_bench(run) * 1e3
+        t_loop = do_bench(lambda: torch_loop(x, w13, w2, weights, ids)) * 1e3
+        bm = moe_config(t * k, e)["BLOCK_M"]
+        a_torch = graph_us(lambda: moe_align_torch(ids, e, bm))
+        a_kernel = graph_us(lambda: moe_align_kernel(ids, e, bm)) if t * k <= ALIGN_KERNEL_MAX_PAIRS \
+            else float("nan")
+        print(f"{name:20} {t:6} {used:7} {nbytes / 1e6:8.1f} {roof:9.1f} {t_graph:8.1f} {t_eager:8.1f} "
+              f"{t_loop:8.1f} {t_graph / roof:6.2f} {t_loop / t_graph:7.1f}x {a_kernel:6.1f} {a_torch:6.1f}")
+
+
+def main() -> int:
+    from kernels.bench.roofline import copy_bandwidth, matmul_rate
+    bw, rate = copy_bandwidth("cuda"), matmul_rate("cuda")
+    print(f"copy {bw / 1e12:.2f} TB/s, bf16 products {rate / 1e12:.0f} TFLOP/s (same run)")
+    print(f"{'shape':20} {'tokens':>6} {'experts':>7} {'MB read':>8} {'roofline':>9} {'graph':>8} {'eager':>8} "
+          f"{'torch':>8} {'x roof':>6} {'vs torch':>8} {'align':>6} {'torch':>6}   (us)")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name, shape in SHAPES.items():
+        time_shape(name, shape, bw, rate, g)
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

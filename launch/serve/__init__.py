@@ -1,0 +1,140 @@
+"""`distengine serve`: an OpenAI-compatible server (FastAPI + uvicorn, pydantic request bodies, as
+vLLM's) over `AsyncLLM`.
+
+Endpoints: POST /v1/completions and /v1/chat/completions (server-sent events with `stream: true`,
+ending with `data: [DONE]`), GET /v1/models, /health (200 while the engine lives, 503 after),
+/version, /metrics (Prometheus), POST /tokenize and /detokenize. Errors have OpenAI's shape
+`{"error": {"message", "type", "param", "code"}}`: 400 for bad input (naming the field), 401 for a
+missing or wrong API key, 404 for an unknown model, 503 once the engine is dead. A client that
+disconnects has its request aborted at once. SIGTERM or Ctrl-C: the server stops accepting, lets
+requests in flight finish (up to --shutdown-timeout seconds, then aborts them), shuts the workers
+down and frees their placement group, and exits 0.
+
+This module is the command (arguments, engine, uvicorn, signals); it imports nothing heavy, so
+that `distengine --help` stays fast. The application is `launch.serve.app.build_app`; the wire
+format `launch.serve.protocol`; the endpoints `launch.serve.routes`; errors `launch.serve.errors`.
+"""
+
+import contextlib
+import os
+import signal
+import threading
+
+
+def add_arguments(p) -> None:
+    p.add_argument("model", help="a model folder or a Hugging Face hub id")
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, help="tensor-parallel workers")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1, /tokenize and /detokenize "
+                        "(default: $DISTENGINE_API_KEY, else none)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the model's name(s) in the API (default: the model argument)")
+    p.add_argument("--tokenizer", default=None, help="a tokenizer folder or hub id (default: the model's)")
+    p.add_argument("--max-model-len", type=int, default=None, help="the longest prompt plus output")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of each GPU to use")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV cache per rank, in bytes")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="requests in the running batch at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step at most (default: 8192 on GPUs of 70 GiB or more, else 2048)")
+    p.add_argument("--no-enable-prefix-caching", action="store_true", help="no prefix caching")
+    p.add_argument("--mamba-checkpoint-interval", type=int, default=None,
+                   help="Mamba hybrids: also keep the state every N tokens for prefix hits (default: only "
+                        "at each step's last block end and where prompts diverge; 1: every block)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"], help="model dtype")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="where the workers run")
+    p.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: $RAY_ADDRESS, else local)")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights, no checkpoint read (benchmarks)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds requests in flight may take to finish after SIGTERM or Ctrl-C")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="no stats line (throughputs, requests, KV cache usage, prefix hit rate) every "
+                        "$DISTENGINE_LOG_STATS_INTERVAL seconds (default 10) while there is work")
+
+
+def run(args) -> int:
+    try:
+        import uvicorn
+    except ImportError as e:
+        raise ImportError(f"distengine serve needs the server's packages: pip install 'distengine[serve]' ({e})") from e
+    from distengine.async_llm import AsyncLLM
+    from launch.serve.app import build_app
+    names = args.served_model_name or [args.model]
+    interval = None if args.disable_log_stats else _stats_interval()
+    engine = AsyncLLM(args.model, metrics_name=names[0], log_stats_interval=interval,
+                      tensor_parallel_size=args.tensor_parallel_size,
+                      tokenizer=args.tokenizer, max_model_len=args.max_model_len,
+                      gpu_memory_utilization=args.gpu_memory_utilization,
+                      kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs,
+                      max_num_batched_tokens=args.max_num_batched_tokens,
+                      enable_prefix_caching=not args.no_enable_prefix_caching, enforce_eager=args.enforce_eager,
+                      mamba_checkpoint_interval=args.mamba_checkpoint_interval,
+                      dtype=args.dtype, device=args.device, ray_address=args.ray_address,
+                      load_format=args.load_format)
+    try:
+        app = build_app(engine, names, args.api_key or os.environ.get("DISTENGINE_API_KEY") or None)
+        verbose = bool(os.environ.get("DISTENGINE_VERBOSE"))
+        server = _uvicorn_server(uvicorn.Config(app, host=args.host, port=args.port,
+                                                log_level="info" if verbose else "warning", access_log=verbose,
+                                                timeout_graceful_shutdown=args.shutdown_timeout))
+        print(f"distengine serve: {names[0]} on http://{args.host}:{args.port}/v1 "
+              f"(max_model_len {engine.max_model_len}, TP={args.tensor_parallel_size})", flush=True)
+        server.run()
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def _stats_interval() -> float:
+    """The stats line's period: $DISTENGINE_LOG_STATS_INTERVAL seconds (vLLM's is
+    VLLM_LOG_STATS_INTERVAL), 10 by default; its lines go to stdout."""
+    import logging
+    import sys
+    text = os.environ.get("DISTENGINE_LOG_STATS_INTERVAL", "10")
+    try:
+        interval = float(text)
+    except ValueError:
+        interval = float("nan")
+    if not interval > 0:
+        raise ValueError(f"DISTENGINE_LOG_STATS_INTERVAL must be a number of seconds > 0, got {text!r}")
+    logger = logging.getLogger("distengine.stats")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(asctime)s distengine: %(message)s", "%H:%M:%S"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    return interval
+
+
+def _uvicorn_server(config):
+    """uvicorn's server, except that a SIGTERM or Ctrl-C, once the graceful shutdown is done, ends
+    the process normally (status 0): uvicorn would raise the signal again."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return Server(config)
+
+
+def __getattr__(name: str):
+    # `from launch.serve import build_app` (a server inside another program) without the CLI's
+    # import of this package loading FastAPI.
+    if name == "build_app":
+        from launch.serve.app import build_app
+        return build_app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

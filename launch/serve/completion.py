@@ -1,0 +1,175 @@
+"""A /v1/completions or /v1/chat/completions request once its route has admitted it (a chat is
+a completion of its templated prompt): every prompt checked by the engine, then the outputs,
+whole or as server-sent events ending with `data: [DONE]`. A client that disconnects has its
+requests aborted at once."""
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from distengine.executor import EngineDeadError
+from distengine.sampling_params import SamplingParams
+from launch.serve.errors import APIError, bad_input, died_message, error_body, not_running
+from launch.serve.protocol import SSE_DONE, ResponseBuilder, sse, usage
+from launch.serve.state import ServerState
+
+
+async def create_completion(state: ServerState, req, raw: Request, prompts: list, logprobs: int | None, *,
+                            chat: bool):
+    """The response to `req` (a `CompletionRequest` or `ChatCompletionRequest`) for `prompts`."""
+    name = state.model_name(req.model)
+    try:
+        sp, checked = await _check(state.engine, req, prompts, logprobs)
+    except (ValueError, TypeError) as e:
+        raise bad_input(e) from None
+    except EngineDeadError as e:
+        raise not_running(e) from None
+    top = (getattr(req, "top_logprobs", None) or 0) if chat else 0
+    run = _Generation(state.engine, checked, sp, ResponseBuilder.start(name, chat, state.tokenizer, top))
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(run.events(include_usage), media_type="text/event-stream")
+    return await run.whole(raw, with_logprobs=logprobs is not None)
+
+
+async def _check(engine, req, prompts: list, logprobs: int | None) -> tuple[SamplingParams, list]:
+    """(sampling params, [(text, token ids)]) of a request, every prompt checked; without
+    max_tokens a request may fill the context (the longest prompt decides)."""
+    if not prompts:
+        raise ValueError("prompt: must not be empty")
+    max_tokens = req.requested_max_tokens()
+    sp = req.to_sampling_params(max_tokens, logprobs)
+    out = [await asyncio.to_thread(engine.check, p, sp, i) for i, p in enumerate(prompts)]
+    longest = max(len(ids) for _, ids in out)
+    if max_tokens is None:
+        sp = req.to_sampling_params(max(1, engine.max_model_len - longest), logprobs)
+    if longest + sp.max_tokens > engine.max_model_len:
+        raise ValueError(f"max_tokens: this model's maximum context length is {engine.max_model_len} tokens; "
+                         f"the request asks for {longest + sp.max_tokens} ({longest} in the prompt, "
+                         f"{sp.max_tokens} in the completion)")
+    return sp, out
+
+
+async def until_disconnect(raw: Request, coro):
+    """`coro`'s result, or None once the client has gone (its requests are then aborted)."""
+    task = asyncio.create_task(coro)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if done:
+            return task.result()
+        if await raw.is_disconnected():
+            task.cancel()
+            return None
+
+
+@dataclass
+class _Choice:
+    """One prompt's output, gathered for a response that is not streamed."""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _Generation:
+    """The engine's requests for one API request, a prompt each, and the response they make."""
+    engine: Any
+    checked: list  # [(text, token ids)] per prompt, as `AsyncLLM.check` returns them
+    sampling_params: SamplingParams
+    reply: ResponseBuilder
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(ids) for _, ids in self.checked)
+
+    async def outputs(self) -> AsyncIterator[tuple]:
+        """(prompt index, delta) pairs of every prompt, merged as they come; the client going away
+        cancels them all (their requests are aborted)."""
+        sp, rid = self.sampling_params, self.reply.id
+        if len(self.checked) == 1:  # no merging: each token costs the event loop less
+            async for out in self.engine.generate(None, sp, f"{rid}-0", checked=self.checked[0]):
+                yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, pair) -> None:
+            try:
+                async for out in self.engine.generate(None, sp, f"{rid}-{i}", checked=pair):
+                    await queue.put((i, out))
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                await queue.put((i, e))
+
+        tasks = [asyncio.create_task(pump(i, pair)) for i, pair in enumerate(self.checked)]
+        left = len(tasks)
+        try:
+            while left:
+                i, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    left -= 1
+                yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def whole(self, raw: Request, with_logprobs: bool):
+        """The response body once every prompt has finished; 499 if the client left first."""
+        choices = [_Choice() for _ in self.checked]
+        cached = 0
+
+        async def collect() -> bool:
+            nonlocal cached
+            async for i, out in self.outputs():
+                c, got = out.outputs[0], choices[i]
+                got.text += c.text
+                got.token_ids += c.token_ids
+                got.logprobs += c.logprobs or []
+                if out.finished:
+                    got.finish_reason, got.stop_reason = c.finish_reason, c.stop_reason
+                    cached += out.num_cached_tokens
+            return True
+
+        try:
+            if await until_disconnect(raw, collect()) is None:
+                return Response(status_code=499)  # nobody is listening
+        except EngineDeadError as e:
+            raise APIError(503, died_message(e)) from None
+        reply = self.reply
+        body = [reply.choice(i, c.text, reply.logprobs(c.token_ids, c.logprobs) if with_logprobs else None,
+                             c.finish_reason, c.stop_reason) for i, c in enumerate(choices)]
+        return reply.response(body, usage(self.prompt_tokens, sum(len(c.token_ids) for c in choices), cached))
+
+    async def events(self, include_usage: bool) -> AsyncIterator[str]:
+        """The server-sent events of a streamed response; an engine that dies ends them with an
+        error event (the status, 200, is long gone)."""
+        reply, n = self.reply, len(self.checked)
+        n_out, cached, started = 0, 0, set()
+        # The token before each choice's next one (none before the first: the text is the output's
+        # own), and text_offset over the whole choice, not one chunk.
+        last: dict[int, int | None] = dict.fromkeys(range(n))
+        offset = dict.fromkeys(range(n), 0)
+        try:
+            async for i, out in self.outputs():
+                c = out.outputs[0]
+                n_out += len(c.token_ids)
+                lp = None
+                if self.sampling_params.logprobs is not None and c.token_ids:
+                    lp = reply.logprobs(c.token_ids, c.logprobs or [], offset[i], last[i])
+                if c.token_ids:
+                    last[i] = c.token_ids[-1]
+                offset[i] += len(c.text)
+                if out.finished:
+                    cached += out.num_cached_tokens
+                yield reply.chunk([reply.delta_choice(i, c, lp, out.finished, first=i not in started)])
+                started.add(i)
+            if include_usage:
+                yield reply.chunk([], usage=usage(self.prompt_tokens, n_out, cached))
+        except EngineDeadError as e:
+            yield sse(error_body(503, died_message(e)))
+        yield SSE_DONE

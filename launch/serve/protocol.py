@@ -1,0 +1,294 @@
+"""The OpenAI-compatible API's wire format, both ways.
+
+In: the request bodies (pydantic, as vLLM's server) and their translation to the engine's prompts
+and `SamplingParams`. Fields OpenAI defines and vLLM's extras (top_k, min_p, repetition_penalty,
+ignore_eos, min_tokens, stop_token_ids, ...) are read; unknown fields are ignored, as vLLM does; a
+known field of the wrong type is a 400 naming it. Token ids must be integers (no strings, floats
+or bools).
+
+Out: the engine's outputs as OpenAI's response bodies and server-sent-event chunks (choices,
+logprobs, usage)."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+from distengine.sampling_params import SamplingParams
+
+# ---- request bodies ----------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = Field(None, ge=-(2 ** 63), lt=2 ** 63)  # vLLM's range (a C long)
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[StrictInt] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        """(field, why) for what we cannot serve, checked before any work."""
+        out = []
+        if self.n != 1:
+            out.append(("n", "only n=1 is supported"))
+        if self.stream_options is not None and not self.stream:
+            out.append(("stream_options", "stream_options needs stream: true"))
+        return out
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        kw = dict(n=self.n, max_tokens=max_tokens, stop=self.stop, seed=self.seed, ignore_eos=self.ignore_eos,
+                  min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids, logprobs=logprobs,
+                  skip_special_tokens=self.skip_special_tokens,
+                  include_stop_str_in_output=self.include_stop_str_in_output)
+        for name, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0),
+                              ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+            value = getattr(self, name)
+            kw[name] = default if value is None else value
+        return SamplingParams(**kw)
+
+
+PromptInput = str | list[str] | list[StrictInt] | list[list[StrictInt]]
+
+
+class CompletionRequest(_Sampling):
+    prompt: PromptInput
+    max_tokens: int | None = 16  # OpenAI's default for completions
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = super().unsupported()
+        if self.echo:
+            out.append(("echo", "echo is not supported"))
+        if self.best_of not in (None, 1):
+            out.append(("best_of", f"best_of must be 1 (only n=1 is supported), got {self.best_of}"))
+        if self.suffix:
+            out.append(("suffix", "suffix is not supported"))
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            out.append(("logprobs", f"logprobs must be in [0, 20], got {self.logprobs}"))
+        return out
+
+    def prompts(self) -> list:
+        """The prompts as the engine takes them (text, or {'prompt_token_ids': [...]})."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [{"prompt_token_ids": list(p)}]
+        return [x if isinstance(x, str) else {"prompt_token_ids": list(x)} for x in p]
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list | None = None
+    response_format: dict | None = None
+    add_generation_prompt: bool = True
+
+    def unsupported(self) -> list[tuple[str, str]]:
+        out = super().unsupported()
+        if self.tools:
+            out.append(("tools", "tool calls are not supported"))
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            out.append(("response_format", "structured output is not supported"))
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            out.append(("top_logprobs", f"top_logprobs must be in [0, 20], got {self.top_logprobs}"))
+        if self.top_logprobs and not self.logprobs:  # vLLM's rule: it would be ignored silently
+            out.append(("top_logprobs", "top_logprobs needs logprobs: true"))
+        return out
+
+    def requested_max_tokens(self) -> int | None:
+        """OpenAI's newer name wins over the deprecated one."""
+        return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+def chat_prompt(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+    """The messages as one prompt, through the model's chat template; ValueError names `messages`."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("messages: this model has no chat template: use /v1/completions")
+    try:
+        return tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
+                                             tokenize=False, add_generation_prompt=add_generation_prompt)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - jinja2's TemplateError (raise_exception), ...
+        raise ValueError(f"messages: the chat template refused them: {e}") from None
+
+
+# ---- response bodies ---------------------------------------------------------------------------
+
+
+def sse(body: dict) -> str:
+    """One server-sent event carrying `body`."""
+    return "data: " + json.dumps(body) + "\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _finite(x):
+    """A logprob strict JSON can carry: NaN and anything below -9999 (-inf included) become
+    -9999, vLLM's floor; rounding above 0 becomes 0."""
+    return None if x is None else (-9999.0 if x != x or x < -9999.0 else min(x, 0.0))
+
+
+def token_text(tokenizer, t: int, prev: int | None = None) -> str:
+    """The token's text as it reads after `prev` (a sentencepiece decoder drops the leading
+    space of a lone token: "▁with" would read "with", not " with")."""
+    if tokenizer is None:
+        return str(t)
+    if prev is None:
+        return tokenizer.decode([t])
+    head, both = tokenizer.decode([prev]), tokenizer.decode([prev, t])
+    return both[len(head):] if both.startswith(head) else tokenizer.decode([t])
+
+
+def completion_logprobs(tokenizer, token_ids: list[int], lps: list[dict], offset: int,
+                        prev: int | None = None) -> dict:
+    prevs = [prev, *token_ids[:-1]]
+    tokens = [token_text(tokenizer, t, p) for t, p in zip(token_ids, prevs)]
+    offsets, pos = [], offset
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    return {"tokens": tokens, "token_logprobs": [_finite(d.get(t)) for d, t in zip(lps, token_ids)],
+            "top_logprobs": [{token_text(tokenizer, k, p): _finite(v) for k, v in d.items()}
+                             for d, p in zip(lps, prevs)],
+            "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer, token_ids: list[int], lps: list[dict], top: int, prev: int | None = None) -> dict:
+    content = []
+    for t, d, p in zip(token_ids, lps, [prev, *token_ids[:-1]]):
+        s = token_text(tokenizer, t, p)
+        tops = sorted(d.items(), key=lambda kv: -kv[1])[:top]
+        top_texts = [(token_text(tokenizer, k, p), v) for k, v in tops]  # each decoded once, not per field
+        content.append({"token": s, "logprob": _finite(d.get(t)), "bytes": list(s.encode()),
+                        "top_logprobs": [{"token": text, "logprob": _finite(v), "bytes": list(text.encode())}
+                                         for text, v in top_texts]})
+    return {"content": content}
+
+
+@dataclass(frozen=True)
+class ResponseBuilder:
+    """The bodies of one /v1/completions or /v1/chat/completions request: what every body and
+    chunk repeats (id, creation time, model), and the shape of its choices, which differs
+    between the two APIs."""
+    id: str
+    created: int
+    model: str
+    chat: bool
+    tokenizer: object
+    top_logprobs: int = 0  # chat's; completions return all the logprobs they asked for
+
+    @classmethod
+    def start(cls, model: str, chat: bool, tokenizer, top_logprobs: int = 0) -> ResponseBuilder:
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        return cls(rid, int(time.time()), model, chat, tokenizer, top_logprobs)
+
+    def logprobs(self, token_ids: list[int], lps: list[dict], offset: int = 0, prev: int | None = None) -> dict:
+        """`offset`: where the tokens start in the choice's text; `prev`: the token before them."""
+        if self.chat:
+            return chat_logprobs(self.tokenizer, token_ids, lps, self.top_logprobs, prev)
+        return completion_logprobs(self.tokenizer, token_ids, lps, offset, prev)
+
+    def choice(self, index: int, text: str, logprobs: dict | None, finish_reason, stop_reason) -> dict:
+        body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+        return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish_reason,
+                "stop_reason": stop_reason}
+
+    def response(self, choices: list[dict], usage: dict) -> dict:
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices, "usage": usage}
+
+    def delta_choice(self, index: int, output, logprobs: dict | None, finished: bool, first: bool) -> dict:
+        """A streamed choice: `output` is a `CompletionOutput` delta; `first`: the choice's first
+        chunk, which names chat's role."""
+        reason = output.finish_reason if finished else None
+        if self.chat:
+            delta = {"content": output.text}
+            if first:
+                delta["role"] = "assistant"
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        else:
+            choice = {"index": index, "text": output.text, "logprobs": logprobs, "finish_reason": reason}
+        if finished:
+            choice["stop_reason"] = output.stop_reason
+        return choice
+
+    def chunk(self, choices: list[dict], **extra) -> str:
+        return sse({"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                    "created": self.created, "model": self.model, "choices": choices, **extra})
