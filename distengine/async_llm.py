@@ -11,7 +11,8 @@ finished. A request whose consumer goes away (the client disconnected, the itera
 is aborted at once and its blocks return to the pool.
 
 If the engine dies (a worker raised or died, the engine process ended), every request in flight
-ends with `EngineDeadError` and so does every later one.
+ends with `EngineDeadError` and so does every later one; `died` is set. A request the driver could
+not serve (a failure of its own, on the host) ends with `RequestError`; the others go on.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from distengine.config import EngineConfig
 from distengine.core_client import EngineClient, ProcessEngineClient, ThreadEngineClient
 from distengine.engine_messages import (AbortRequest, AddRequest, EngineDied, EngineEvent, FinishRequest, IdleStats,
                                         Refused, StepOutputs)
-from distengine.executor import EngineDeadError
+from distengine.executor import EngineDeadError, RequestError
 from distengine.inputs import InputProcessor
 from distengine.hf_config import load_tokenizer_and_eos
 from distengine.metrics import EngineMetrics, StatsLogger
@@ -104,6 +105,7 @@ class AsyncLLM:
         self.outputs = OutputProcessor(self.tokenizer)
         self.metrics = EngineMetrics(metrics_name or self.config.model)
         self.dead: EngineDeadError | None = None
+        self.died = threading.Event()  # set once the engine is dead (a server exits on it)
         # The engine knows a request by an id of its own, never reused: a step in flight when a
         # request ended (aborted, or a stop string found here) may still carry its tokens, and they
         # must not reach a new request under the same caller's id.
@@ -118,6 +120,7 @@ class AsyncLLM:
         client = ProcessEngineClient if engine_process else ThreadEngineClient
         self.engine: EngineClient = client(self.config, self._on_message)
         self.info = self.engine.info
+        self.metrics.record_cache_config(self.info.num_blocks, self.info.plan.block_size)
         self.inputs = InputProcessor(self.tokenizer, self.info.vocab_size, self.max_model_len)
 
     # ---- the event loop's side -------------------------------------------------------------
@@ -171,10 +174,35 @@ class AsyncLLM:
                 self._abort(engine_id)
 
     def abort(self, request_id: str) -> None:
-        """End the running request of this (the caller's) id; its blocks return to the pool."""
+        """End the running request of this (the caller's) id: the task reading its `generate`
+        gets a last output (finish_reason "abort"), and its blocks return to the pool."""
         engine_id = self._engine_ids.get(request_id)
         if engine_id is not None:
-            self._abort(engine_id)
+            self._end(engine_id, "abort")
+
+    def abort_all(self, error: BaseException) -> None:
+        """End every running request with `error` (a server's shutdown that cannot wait longer)."""
+        with self._streams_lock:
+            engine_ids = list(self._streams)
+        for engine_id in engine_ids:
+            self._end(engine_id, error)
+
+    def _end(self, engine_id: str, how: str | BaseException) -> None:
+        """Deliver a request's last output ("abort") or an error to its reader, then forget it
+        and abort it in the engine."""
+        with self._streams_lock:
+            st, stream = self.outputs.requests.get(engine_id), self._streams.get(engine_id)
+            last = how
+            if isinstance(how, str):
+                last = None
+                if st is not None and not st.finished:
+                    self.outputs.abort(engine_id)
+                    last = st.delta()
+        if stream is not None and last is not None:
+            outbox = _Outbox()
+            outbox.put(stream, last)
+            outbox.flush()
+        self._abort(engine_id)
 
     def _abort(self, engine_id: str) -> None:
         if self._forget(engine_id):
@@ -224,20 +252,27 @@ class AsyncLLM:
                 self._outbox.flush()
         elif isinstance(msg, EngineDied):
             self.dead = msg.error
+            self.died.set()
             self._end_streams(self.dead)
 
     def _on_step(self, updates, stats: SchedulerStats) -> None:
         now = time.monotonic()
-        finished, stops, touched = self.outputs.process(updates, now)
-        for rid, matched in stops:
+        step = self.outputs.process(updates, now)
+        for rid, matched in step.stops:
             self.engine.send(FinishRequest(rid, matched))
-        self.metrics.count_generated(len(touched))  # one token each: one counter update per step
-        for st in touched:
-            self._record_token(st, now)
+        for rid in step.failed:  # failed here, on its way to the reader: the engine drops it
+            self.engine.send(AbortRequest(rid))
+        self.metrics.count_generated(len(step.touched))  # one token each: one counter update per step
+        for st in step.touched:
             stream = self._streams.get(st.req_id)
+            if st.finish_reason == "error":
+                if stream is not None:
+                    self._outbox.put(stream, RequestError(f"request {stream.request_id} failed: {st.stop_reason}"))
+                continue
+            self._record_token(st, now)
             if stream is not None:
                 self._outbox.put(stream, st.delta())
-        for st in finished:
+        for st in step.finished:
             self.metrics.e2e.observe(now - st.arrival_time)
             self._forget(st.req_id)
         self._outbox.flush()

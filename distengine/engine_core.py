@@ -15,9 +15,11 @@ from dataclasses import dataclass
 from distengine.config import EngineConfig
 from distengine.executor import Executor, create_executor
 from distengine.hf_config import read_model_config, text_config
+from distengine.interrupts import interrupts_held
 from distengine.kv_cache.plan import KVCachePlan
 from distengine.kv_cache.sizing import engine_plan, num_blocks
 from distengine.scheduler import EngineRequest, RequestUpdate, Scheduler, SchedulerStats
+from distengine.step import StepEncodingError
 from distengine.worker_info import DeviceInfo, MemoryProfile
 
 
@@ -97,23 +99,36 @@ class EngineCore:
 
     # ---- the loop --------------------------------------------------------------------------
     def step(self) -> list[RequestUpdate]:
-        """One step: what the requests got from the step whose output arrived now."""
+        """One step: what the requests got from the step whose output arrived now. A Ctrl-C
+        during it is raised once it is over (`distengine.interrupts`)."""
+        with interrupts_held():
+            return self._step()
+
+    def _step(self) -> list[RequestUpdate]:
         sched = self.scheduler
         plan = sched.schedule()
         plan.defer_output = self.config.async_scheduling
         if not plan.scheduled and not plan.finished_req_ids and not sched.has_in_flight():
             if sched.waiting and not sched.running:
                 head = sched.waiting[0]
-                raise RuntimeError(f"request {head.request_id} ({head.num_tokens} tokens) cannot fit in the KV "
-                                   f"cache ({sched.manager.pool.num_blocks - 1} blocks)")
-            return []
-        output = self.executor.execute(plan)
+                sched.fail(head, f"request {head.request_id} ({head.num_tokens} tokens) cannot fit in the KV "
+                                 f"cache ({sched.manager.pool.num_blocks - 1} blocks)")
+            return sched.take_failed()
+        try:
+            output = self.executor.execute(plan)
+        except StepEncodingError as e:  # nothing reached a worker: fail those requests, send the rest
+            if not e.req_ids:
+                raise
+            sched.drop_from_step(plan, e.req_ids, e)
+            output = self.executor.execute(plan)
         if self.step_log is not None and plan.scheduled:
             self.step_log.append(StepRecord(time.perf_counter(), len(plan.scheduled), plan.num_tokens,
                                             plan.num_tokens == len(plan.scheduled)))
         if output is None:
-            return []
-        return sched.update(output.step_id, output)
+            sched.forget_lost_steps(plan.step_id)  # the workers had nothing pending: no earlier output comes
+            return sched.take_failed()
+        updates = sched.update(output.step_id, output)
+        return sched.take_failed() + updates
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -6,6 +6,7 @@ step runs joins the next one.
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Callable
 
 from distengine.engine_core import EngineCore
@@ -34,18 +35,24 @@ UTILITIES: dict[str, Callable] = {"check_health": _check_health, "collective_rpc
 
 
 class EngineLoop:
+    """`health_interval_s`: while idle, every rank must answer a ping this often (within
+    `health_timeout_s`): a worker that died between requests ends the engine now, not at the next
+    request. While busy, a step notices it."""
+
     def __init__(self, core: EngineCore, inbox: queue.SimpleQueue, emit: Callable[[EngineEvent], None],
-                 idle_report_s: float = 0.05) -> None:
+                 idle_report_s: float = 0.05, health_interval_s: float = 1.0, health_timeout_s: float = 5.0) -> None:
         self.core = core
         self.inbox = inbox
         self.emit = emit
         self.idle_report_s = idle_report_s  # so that the front end's stats line goes on while idle
+        self.health_interval_s, self.health_timeout_s = health_interval_s, health_timeout_s
 
     def run(self) -> None:
         """Until `Shutdown`; an error of the engine is emitted as `EngineDied`. The caller shuts
         the core down."""
         core, sched = self.core, self.core.scheduler
         busy = False
+        checked = time.monotonic()
         try:
             while True:
                 while True:  # every command that is there; wait for one only while idle
@@ -54,6 +61,9 @@ class EngineLoop:
                     except queue.Empty:
                         if not busy:
                             self.emit(IdleStats(sched.stats()))
+                            if time.monotonic() - checked >= self.health_interval_s:
+                                core.executor.check_health(self.health_timeout_s)
+                                checked = time.monotonic()
                         break
                     if isinstance(cmd, Shutdown):
                         return

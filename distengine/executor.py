@@ -49,6 +49,10 @@ from distengine.worker_info import DeviceInfo, MemoryProfile
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(distengine.__file__)))
 
 
+NODE_HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000,
+                      "health_check_failure_threshold": 3}
+
+
 class EngineDeadError(RuntimeError):
     """A worker raised or died (or a step timed out): the engine cannot go on. The original error
     is `__cause__` (and `.cause`)."""
@@ -56,6 +60,11 @@ class EngineDeadError(RuntimeError):
     def __init__(self, message: str, cause: BaseException | None = None) -> None:
         super().__init__(message)
         self.cause = cause
+
+
+class RequestError(RuntimeError):
+    """One request failed on the driver (a step could not carry it, its output could not be
+    decoded, ...); the engine and every other request go on."""
 
 
 class PlacementGroupError(RuntimeError):
@@ -88,7 +97,9 @@ class Executor:
     def execute(self, step: StepPlan) -> StepOutput | None:
         raise NotImplementedError
 
-    def check_health(self) -> None:
+    def check_health(self, timeout: float | None = None) -> None:
+        """EngineDeadError unless every rank answers (within `timeout` seconds, default the
+        executor's own); a rank that does not makes the engine dead."""
         raise NotImplementedError
 
     def collective_rpc(self, method: str | Callable, args: tuple = (), ranks: list[int] | None = None) -> list:
@@ -147,10 +158,13 @@ class UniprocExecutor(Executor):
             raise EngineDeadError("the executor was shut down")
         try:
             return self.worker.execute(step)
+        except KeyboardInterrupt:  # a second Ctrl-C inside a step: the batch may be half updated
+            self._die("a step was interrupted (Ctrl-C twice)", None)
+            raise
         except Exception as e:  # the runner's state may be half updated: nothing can follow
             raise self._die(f"the worker raised {_short(e)}", e) from e
 
-    def check_health(self) -> None:
+    def check_health(self, timeout: float | None = None) -> None:
         self._raise_if_dead()
 
     def collective_rpc(self, method: str | Callable, args: tuple = (), ranks: list[int] | None = None) -> list:
@@ -194,7 +208,10 @@ class RayExecutor(Executor):
             if address:
                 ray.init(address=address, log_to_driver=True, logging_level=level)
             else:
-                kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": level}
+                # A node whose raylet died is declared dead after 3 missed 1-s health checks (Ray's
+                # default: 5 of 3 s): its workers' engine ends within seconds, not a quarter minute.
+                kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": level,
+                                          "_system_config": NODE_HEALTH_CHECKS}
                 import torch
                 if config.device_for(gpus_available=torch.cuda.is_available()) == "cpu":
                     kwargs.update(num_cpus=max(self.tp, 2), num_gpus=0)
@@ -359,8 +376,12 @@ class RayExecutor(Executor):
         self._raise_if_dead()
         if self._closed:
             raise EngineDeadError("the executor was shut down")
+        data = step.encode()  # a step that cannot be encoded reached no worker: the engine lives on
         try:
-            return ray.get(self.dag.execute(step.encode()), timeout=self.execute_timeout_s)[0]
+            return ray.get(self.dag.execute(data), timeout=self.execute_timeout_s)[0]
+        except KeyboardInterrupt:  # a second Ctrl-C inside a step: its result is lost to the graph
+            self._die("a step was interrupted (Ctrl-C twice)", None)
+            raise
         except Exception as e:  # noqa: BLE001 - RayTaskError, ActorDiedError, RayChannelError...
             raise self._die(self._describe(e), e) from e
 
@@ -394,13 +415,13 @@ class RayExecutor(Executor):
         name = method if isinstance(method, str) else getattr(method, "__name__", repr(method))
         return self._gather([a.call.remote(method, *args) for a in picked], self.execute_timeout_s, f"running {name}")
 
-    def check_health(self) -> None:
+    def check_health(self, timeout: float | None = None) -> None:
         """Every rank answers a ping (served beside the compiled graph's step loop)."""
         self._raise_if_dead()
         if self._closed:
             raise EngineDeadError("the executor was shut down")
         try:
-            self._gather([a.ping.remote() for a in self.actors], self.health_timeout_s, "answering a ping")
+            self._gather([a.ping.remote() for a in self.actors], timeout or self.health_timeout_s, "answering a ping")
         except WorkerError as e:
             raise self._die(str(e), e.__cause__ or e) from (e.__cause__ or e)
 

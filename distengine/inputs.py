@@ -8,14 +8,16 @@ serves the next call.
   max_model_len.
 - token ids (prompts and `stop_token_ids`): Python or numpy integers in [0, vocab_size); strings,
   floats and bools are refused, not converted.
-- sampling params: one `SamplingParams` for every prompt, or one per prompt; `logprobs` -1 means
-  the whole vocabulary (vLLM's meaning), otherwise at most vocab_size.
+- sampling params: one `SamplingParams` for every prompt, or one per prompt (checked when built,
+  against `distengine.limits`); `logprobs` -1 means the whole vocabulary (vLLM's meaning),
+  otherwise at most vocab_size.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from numbers import Integral
 
+from distengine.limits import MAX_TOKEN_IDS
 from distengine.sampling_params import SamplingParams
 
 PROMPT_KEYS = ("prompt_token_ids", "prompt")
@@ -51,9 +53,11 @@ class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int) -> None:
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, int(vocab_size), max_model_len
 
-    def token_ids(self, ids, field: str) -> list[int]:
+    def token_ids(self, ids, field: str, at_most: int = MAX_TOKEN_IDS) -> list[int]:
         if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
             raise TypeError(f"{field} must be a list of token ids, got {type(ids).__name__} {ids!r:.80}")
+        if len(ids) > at_most:
+            raise ValueError(f"{field} holds {len(ids)} token ids; at most {at_most} fit")
         out = []
         for i, t in enumerate(ids):
             if isinstance(t, bool) or not isinstance(t, Integral):
@@ -85,16 +89,22 @@ class InputProcessor:
             text = p.get("prompt")
             if text is not None and not isinstance(text, str):
                 raise TypeError(f"{field}['prompt'] must be a string, got {type(text).__name__}")
-            ids = self.token_ids(p["prompt_token_ids"], f"{field}['prompt_token_ids']")
+            raw = p["prompt_token_ids"]
+            if isinstance(raw, Sequence) and not isinstance(raw, (str, bytes)):
+                self._fits(len(raw), field)  # before a huge list is walked
+            ids = self.token_ids(raw, f"{field}['prompt_token_ids']")
         else:
             raise TypeError(f"{field} must be a string or a {{'prompt_token_ids': [...]}} dict, "
                             f"got {type(p).__name__} {p!r:.80}")
         if not ids:
             raise ValueError(f"{field} is empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"{field} is {len(ids)} tokens long but max_model_len is {self.max_model_len}: "
-                             f"at most {self.max_model_len - 1} prompt tokens fit")
+        self._fits(len(ids), field)
         return text, ids
+
+    def _fits(self, length: int, field: str) -> None:
+        if length >= self.max_model_len:
+            raise ValueError(f"{field} is {length} tokens long but max_model_len is {self.max_model_len}: "
+                             f"at most {self.max_model_len - 1} prompt tokens fit")
 
     def params(self, sp: SamplingParams, index: int) -> None:
         field = f"sampling_params[{index}]" if index >= 0 else "sampling_params"

@@ -56,14 +56,14 @@ class LLM:
         (`distengine.inputs`): a bad one raises and nothing is queued."""
         requests = self.inputs.requests(prompts, sampling_params)
         ids = []
-        for text, tokens, sp in requests:
-            rid = str(next(self._ids))
-            self.engine.add_request(EngineRequest(rid, tokens, sampling=sp, eos_token_ids=self.eos_token_ids))
-            self.output_processor.add_request(rid, text, tokens, sp)
-            ids.append(rid)
         try:
+            for text, tokens, sp in requests:
+                rid = str(next(self._ids))
+                ids.append(rid)
+                self.output_processor.add_request(rid, text, tokens, sp)
+                self.engine.add_request(EngineRequest(rid, tokens, sampling=sp, eos_token_ids=self.eos_token_ids))
             self._run(ids, use_tqdm)
-        except BaseException:
+        except BaseException:  # Ctrl-C included (held until a step ends): this call's requests go
             self.engine.abort(ids)
             for rid in ids:
                 self.output_processor.pop(rid)
@@ -106,10 +106,11 @@ class LLM:
         while pending:
             updates = self.engine.step()
             out_tokens += len(updates)
-            finished, stops, _ = self.output_processor.process(updates)
-            for rid, matched in stops:
+            step = self.output_processor.process(updates)
+            for rid, matched in step.stops:
                 self.engine.finish_request(rid, "stop", matched)
-            for st in finished:
+            self.engine.abort(step.failed)  # failed on their way out: the engine drops them
+            for st in step.finished:
                 if st.req_id in pending:
                     pending.discard(st.req_id)
                     if bar is not None:

@@ -44,6 +44,13 @@ class EngineMetrics:
         self.prompt_total = 0      # the counters' values, for the log line
         self.generation_total = 0
 
+    def record_cache_config(self, num_gpu_blocks: int, block_size: int) -> None:
+        """vLLM's `cache_config_info`: the pool's size as labels of a gauge set to 1 (with the usage
+        gauge, what tells the blocks in use)."""
+        from prometheus_client import Gauge
+        Gauge(PREFIX + "cache_config_info", "The KV cache's configuration.", ["num_gpu_blocks", "block_size"],
+              registry=self.registry).labels(num_gpu_blocks=str(num_gpu_blocks), block_size=str(block_size)).set(1)
+
     def count_prompt(self, tokens: int) -> None:
         self.prompt_tokens.inc(tokens)
         self.prompt_total += tokens

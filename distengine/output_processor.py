@@ -46,20 +46,29 @@ class RequestState:
         text, tokens = self.text[self.sent_text:end], self.token_ids[self.sent_tokens:]
         lps = self.logprobs[self.sent_tokens:] if self.logprobs is not None else None
         self.sent_text, self.sent_tokens = end, len(self.token_ids)
-        reason = self.finish_reason if self.finish_reason != "abort" else None
-        comp = CompletionOutput(index=0, text=text, token_ids=tokens, finish_reason=reason,
+        comp = CompletionOutput(index=0, text=text, token_ids=tokens, finish_reason=self.finish_reason,
                                 stop_reason=self.stop_reason, logprobs=lps)
         return RequestOutput(request_id=self.output_id or self.req_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
                              num_cached_tokens=self.num_cached_tokens, finished=self.finished, outputs=[comp])
 
     def output(self) -> RequestOutput:
-        reason = self.finish_reason if self.finish_reason != "abort" else None
-        comp = CompletionOutput(index=0, text=self.text, token_ids=list(self.token_ids), finish_reason=reason,
+        comp = CompletionOutput(index=0, text=self.text, token_ids=list(self.token_ids), finish_reason=self.finish_reason,
                                 stop_reason=self.stop_reason, logprobs=self.logprobs,
                                 cumulative_logprob=(sum(d[t] for d, t in zip(self.logprobs, self.token_ids))
                                                     if self.logprobs is not None else None))
         return RequestOutput(request_id=self.output_id or self.req_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
                              num_cached_tokens=self.num_cached_tokens, finished=self.finished, outputs=[comp])
+
+
+@dataclass
+class ProcessedStep:
+    """What a step's updates did to the requests: those that finished, the (request id, stop
+    string) pairs the engine must finish, those that failed here (the engine must abort them),
+    and every request updated."""
+    finished: list[RequestState] = field(default_factory=list)
+    stops: list[tuple[str, str]] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    touched: list[RequestState] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -76,42 +85,56 @@ class OutputProcessor:
         self.requests[req_id] = st
         return st
 
-    def process(self, updates: list[RequestUpdate], now: float = 0.0
-                ) -> tuple[list[RequestState], list[tuple[str, str]], list[RequestState]]:
-        """Apply one step's updates. Returns (the requests that finished, the (request id, stop
-        string) pairs the engine core must finish: a stop string matched, every request updated)."""
-        finished, stops, touched = [], [], []
+    def process(self, updates: list[RequestUpdate], now: float = 0.0) -> ProcessedStep:
+        """Apply one step's updates. A request whose update cannot be applied here (its text
+        cannot be decoded, ...) ends with finish_reason "error"; the others go on."""
+        out = ProcessedStep()
         for u in updates:
             st = self.requests.get(u.req_id)
             if st is None or st.finished:
                 continue
-            touched.append(st)
-            if st.last_token_time is None:
-                st.first_token_time = now
-            else:
-                st.last_gap = now - st.last_token_time
-            st.last_token_time = now
-            st.token_ids.append(u.token_id)
-            st.num_cached_tokens = u.num_cached_tokens
-            if st.logprobs is not None and u.logprobs is not None:
-                st.logprobs.append(u.logprobs)
-            new_text = st.detok.append([u.token_id])
-            st.text += new_text
-            st.finish_reason, st.stop_reason = u.finish_reason, u.stop_reason
-            sp = st.sampling
-            if sp.stop and st.finish_reason in (None, "length") and len(st.token_ids) >= sp.min_tokens:
-                text, matched = check_stop_strings(st.text, len(new_text), sp.stop, sp.include_stop_str_in_output)
-                if matched is not None:
-                    st.text = text
-                    if st.finish_reason is None:
-                        stops.append((st.req_id, matched))
-                    # (with the last allowed token the stop string still makes it a stop)
-                    st.finish_reason, st.stop_reason = "stop", matched
+            out.touched.append(st)
+            try:
+                matched = self._apply(st, u, now)
+            except Exception as e:  # noqa: BLE001 - this request fails, the step's others go on
+                st.finish_reason, st.stop_reason = "error", f"{type(e).__name__}: {e}"
+                out.failed.append(st.req_id)
+                matched = None
+            if matched is not None:
+                out.stops.append((st.req_id, matched))
             if st.finished:
-                if not isinstance(st.stop_reason, str):
-                    st.text += st.detok.flush()  # a held-back partial character, if any
-                finished.append(st)
-        return finished, stops, touched
+                out.finished.append(st)
+        return out
+
+    def _apply(self, st: RequestState, u: RequestUpdate, now: float) -> str | None:
+        """One update of one request; the stop string the engine must finish it for, if any."""
+        if u.failed:  # the driver could not serve it: no token, the message in stop_reason
+            st.finish_reason, st.stop_reason = u.finish_reason, u.stop_reason
+            return None
+        if st.last_token_time is None:
+            st.first_token_time = now
+        else:
+            st.last_gap = now - st.last_token_time
+        st.last_token_time = now
+        st.token_ids.append(u.token_id)
+        st.num_cached_tokens = u.num_cached_tokens
+        if st.logprobs is not None and u.logprobs is not None:
+            st.logprobs.append(u.logprobs)
+        new_text = st.detok.append([u.token_id])
+        st.text += new_text
+        st.finish_reason, st.stop_reason = u.finish_reason, u.stop_reason
+        sp, stop = st.sampling, None
+        if sp.stop and st.finish_reason in (None, "length") and len(st.token_ids) >= sp.min_tokens:
+            text, matched = check_stop_strings(st.text, len(new_text), sp.stop, sp.include_stop_str_in_output)
+            if matched is not None:
+                st.text = text
+                if st.finish_reason is None:
+                    stop = matched
+                # (with the last allowed token the stop string still makes it a stop)
+                st.finish_reason, st.stop_reason = "stop", matched
+        if st.finished and not isinstance(st.stop_reason, str):
+            st.text += st.detok.flush()  # a held-back partial character, if any
+        return stop
 
     def abort(self, req_id: str) -> None:
         st = self.requests.get(req_id)

@@ -14,10 +14,11 @@ class CompletionOutput:
     text: detokenised output text ("" when the engine runs without a tokenizer); ends before a
         matched stop string unless ``include_stop_str_in_output``.
     token_ids: the generated token ids (a stop token id / EOS that ended the request is kept).
-    finish_reason: None while running, "stop" (EOS, stop token id or stop string) or "length"
-        (max_tokens or max_model_len).
+    finish_reason: None while running, "stop" (EOS, stop token id or stop string), "length"
+        (max_tokens or max_model_len), "abort" (aborted) or "error" (the driver could not serve
+        it; the message is in stop_reason).
     stop_reason: the matched stop string (str) or stop token id (int); None for EOS, for
-        "length", and while running.
+        "length", and while running; the message of an "error".
     logprobs: None unless asked; else one dict {token_id: logprob} per generated position (the
         sampled token plus the top-k).
     cumulative_logprob: sum of the sampled tokens' logprobs (None unless logprobs were asked).

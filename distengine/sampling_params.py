@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 from numbers import Integral, Real
 from typing import Any
 
+from distengine.limits import (MAX_INT, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, bad_text)
 from distengine.step import RequestSampling
 
 __all__ = ["SamplingParams", "SAMPLING_EPS"]
@@ -35,6 +36,14 @@ def _is_int(v: Any) -> bool:
 
 def _is_real(v: Any) -> bool:
     return isinstance(v, Real) and not isinstance(v, bool)
+
+
+def _finite(v: Real) -> bool:
+    """A float can hold it, and it is not inf or NaN (an int past a float's range is not finite)."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 @dataclass
@@ -147,7 +156,7 @@ class SamplingParams:
         rp = self.repetition_penalty
         if not _is_real(rp):
             raise ValueError(f"repetition_penalty must be a number, got {type(rp).__name__}.")
-        if not math.isfinite(rp):
+        if not _finite(rp):
             raise ValueError(f"repetition_penalty must be a finite number, got {rp}.")
         if rp <= 0.0:
             raise ValueError(f"repetition_penalty must be greater than zero, got {rp}.")
@@ -157,7 +166,7 @@ class SamplingParams:
         t = self.temperature
         if not _is_real(t):
             raise ValueError(f"temperature must be a number, got {type(t).__name__}.")
-        if not math.isfinite(t):
+        if not _finite(t):
             raise ValueError(f"temperature must be a finite number, got {t}.")
         if t < 0.0:
             raise ValueError(f"temperature must be non-negative, got {t}.")
@@ -170,6 +179,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer, got {type(self.top_k).__name__}.")
         if self.top_k < -1:
             raise ValueError(f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")
+        if self.top_k > MAX_INT:
+            raise ValueError(f"top_k must be at most {MAX_INT} (a top_k past the vocabulary is no top-k), "
+                             f"got {self.top_k}.")
         if not _is_real(self.min_p):
             raise ValueError(f"min_p must be a number, got {type(self.min_p).__name__}.")
         if not 0.0 <= self.min_p <= 1.0:
@@ -181,12 +193,16 @@ class SamplingParams:
                                  f"{type(self.max_tokens).__name__}.")
             if self.max_tokens < 1:
                 raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+            if self.max_tokens > MAX_INT:
+                raise ValueError(f"max_tokens must be at most {MAX_INT}, got {self.max_tokens}.")
         if not _is_int(self.min_tokens):
             raise ValueError(f"min_tokens must be an integer, got "
                              f"{type(self.min_tokens).__name__}.")
         if self.min_tokens < 0:
             raise ValueError(
                 f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
+        if self.min_tokens > MAX_INT:
+            raise ValueError(f"min_tokens must be at most {MAX_INT}, got {self.min_tokens}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be less than or equal to "
                              f"max_tokens={self.max_tokens}, got {self.min_tokens}.")
@@ -197,21 +213,32 @@ class SamplingParams:
                                  f"{type(self.logprobs).__name__}.")
             if self.logprobs != -1 and self.logprobs < 0:
                 raise ValueError(f"logprobs must be non-negative or -1, got {self.logprobs}.")
+            if self.logprobs > MAX_INT:
+                raise ValueError(f"logprobs must be at most {MAX_INT} (-1: the whole vocabulary), got {self.logprobs}.")
         # seed
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {type(self.seed).__name__}.")
         # stop / stop_token_ids
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got "
+                             f"{len(self.stop_token_ids)}.")
         if not all(_is_int(t) for t in self.stop_token_ids):
             raise ValueError(
-                f"stop_token_ids must contain only integers, got {self.stop_token_ids}.")
-        if any(t < 0 for t in self.stop_token_ids):
+                f"stop_token_ids must contain only integers, got {self.stop_token_ids!r:.200}.")
+        if any(not 0 <= t <= MAX_INT for t in self.stop_token_ids):
             raise ValueError(
-                f"stop_token_ids must contain only non-negative integers, got "
-                f"{self.stop_token_ids}.")
+                f"stop_token_ids must contain only integers in [0, {MAX_INT}], got "
+                f"{self.stop_token_ids!r:.200}.")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}.")
         if not all(isinstance(s, str) for s in self.stop):
-            raise ValueError(f"stop must contain only strings, got {self.stop!r}.")
+            raise ValueError(f"stop must contain only strings, got {ascii(self.stop):.200}.")
         if any(not s for s in self.stop):
             raise ValueError("stop cannot contain an empty string.")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise ValueError(f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters long.")
+        if any(bad_text(s) for s in self.stop):
+            raise ValueError("stop strings must be valid text (UTF-8 cannot carry a lone surrogate).")
         # flags
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):

@@ -53,13 +53,19 @@ class EngineRequest(Request):
 
 @dataclass
 class RequestUpdate:
-    """What one step produced for one request: its new token and, when it ended, why."""
+    """What one step produced for one request: its new token and, when it ended, why. A request
+    the driver could not serve (`failed`) gets no token: finish_reason "error", the message in
+    stop_reason."""
     req_id: str
     token_id: int
     logprobs: dict[int, float] | None = None  # the sampled token and the top-k, when asked
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
+
+    @property
+    def failed(self) -> bool:
+        return self.finish_reason == "error"
 
 
 @dataclass
@@ -89,6 +95,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.peak_kv_usage = 0.0
         self._step_ids = itertools.count()
+        self.failed: list[RequestUpdate] = []  # requests ended by an error on the driver, not yet reported
         # step id -> the requests it samples, in plan order (what its output's tokens belong to).
         self._in_flight: dict[int, list[EngineRequest]] = {}
 
@@ -131,6 +138,42 @@ class Scheduler:
             req.in_runner = False
         del self.requests[req.request_id]
 
+    def fail(self, req: EngineRequest, error: BaseException | str) -> None:
+        """End a request the driver could not serve (its blocks back to the pool); the others go on."""
+        message = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else error
+        self._finish(req, "error", message)
+        self.failed.append(RequestUpdate(req.request_id, -1, finish_reason="error", stop_reason=message))
+
+    def take_failed(self) -> list[RequestUpdate]:
+        failed, self.failed = self.failed, []
+        return failed
+
+    def drop_from_step(self, plan: StepPlan, req_ids: list[str], error: BaseException) -> None:
+        """Take requests out of a step that has not run (it could not be sent) and fail them."""
+        drop = set(req_ids)
+        new = {r.req_id for r in plan.new_requests}
+        plan.new_requests = [r for r in plan.new_requests if r.req_id not in drop]
+        plan.scheduled = [s for s in plan.scheduled if s.req_id not in drop]
+        if plan.step_id in self._in_flight:
+            self._in_flight[plan.step_id] = [r for r in self._in_flight[plan.step_id] if r.request_id not in drop]
+        for rid in req_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            req.in_runner = False  # this step would have sent it
+            if rid not in new:
+                plan.finished_req_ids.append(rid)  # the workers hold it from an earlier step
+            self.fail(req, error)
+
+    def forget_lost_steps(self, step_id: int) -> None:
+        """Outputs come back in step order: an output of `step_id` (or none at all for it, when
+        the workers had none pending) means the steps before it in flight lost theirs (a caller
+        interrupted while it waited). Their requests cannot go on from what the host knows."""
+        for lost in [k for k in self._in_flight if k < step_id]:
+            for req in self._in_flight.pop(lost):
+                if req.status != Status.FINISHED:
+                    self.fail(req, f"step {lost}'s output was lost (its caller was interrupted)")
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -166,12 +209,16 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            appended = self.manager.allocate_slots(req, n)
-            while appended is None and n > 1 and self.running[-1] is req:
-                # It would preempt itself (and start over, forever): a smaller prefill chunk
-                # first (sliding-window groups free what left the window between chunks).
-                n //= 2
+            try:
                 appended = self.manager.allocate_slots(req, n)
+                while appended is None and n > 1 and self.running[-1] is req:
+                    # It would preempt itself (and start over, forever): a smaller prefill chunk
+                    # first (sliding-window groups free what left the window between chunks).
+                    n //= 2
+                    appended = self.manager.allocate_slots(req, n)
+            except Exception as e:  # noqa: BLE001 - this request fails, the step goes on
+                self.fail(req, e)
+                continue
             if appended is None:
                 self._preempt(self.running[-1])
                 continue  # retry this request (unless it was the one preempted)
@@ -182,19 +229,11 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_output_placeholders:
                 break  # preempted with a token still in flight: readmitted once it is known (FCFS)
-            blocks, hit = self.manager.get_computed_blocks(req)
-            n = min(req.num_tokens - hit, budget)
-            appended = self.manager.allocate_slots(req, n, hit, blocks)
-            if appended is None and hit and not self.running:
-                # A prefix hit's pages are held while the step reads them (a Mamba state): a
-                # pool that small serves the request from scratch.
-                hit, blocks = 0, None
-                n = min(req.num_tokens, budget)
-                appended = self.manager.allocate_slots(req, n)
-            while appended is None and n > 1 and not self.running:
-                # Nothing running will free blocks: a smaller prefill chunk, not a dead engine.
-                n //= 2
-                appended = self.manager.allocate_slots(req, n, hit, blocks)
+            try:
+                hit, n, appended = self._admit(req, budget)
+            except Exception as e:  # noqa: BLE001 - this request fails, the step goes on
+                self.fail(req, e)
+                continue
             if appended is None:
                 break  # FCFS: nothing behind it jumps the queue
             self.waiting.popleft()
@@ -207,6 +246,23 @@ class Scheduler:
             budget -= n
         self.peak_kv_usage = max(self.peak_kv_usage, self.manager.usage)
         return self._plan(scheduled)
+
+    def _admit(self, req: EngineRequest, budget: int) -> tuple[int, int, tuple[list[int], ...] | None]:
+        """(prefix hit, tokens to compute, blocks appended or None) of a waiting request."""
+        blocks, hit = self.manager.get_computed_blocks(req)
+        n = min(req.num_tokens - hit, budget)
+        appended = self.manager.allocate_slots(req, n, hit, blocks)
+        if appended is None and hit and not self.running:
+            # A prefix hit's pages are held while the step reads them (a Mamba state): a
+            # pool that small serves the request from scratch.
+            hit, blocks = 0, None
+            n = min(req.num_tokens, budget)
+            appended = self.manager.allocate_slots(req, n)
+        while appended is None and n > 1 and not self.running:
+            # Nothing running will free blocks: a smaller prefill chunk, not a dead engine.
+            n //= 2
+            appended = self.manager.allocate_slots(req, n, hit, blocks)
+        return hit, n, appended
 
     def _preempt(self, req: EngineRequest) -> None:
         self.running.remove(req)
@@ -255,6 +311,7 @@ class Scheduler:
     def update(self, step_id: int, output: StepOutput | None) -> list[RequestUpdate]:
         """Apply a step's sampled tokens (one per request that sampled, in plan order): append,
         check the stop rules, finish. Returns what each live request got."""
+        self.forget_lost_steps(step_id)
         samplers = self._in_flight.pop(step_id, [])
         if not samplers:
             return []

@@ -88,9 +88,15 @@ class StepPlan:
         return sum(s.num_new_tokens for s in self.scheduled)
 
     def encode(self) -> bytes:
+        """The msgpack bytes every rank gets; `StepEncodingError` names the requests whose part
+        cannot be encoded (their checked fields never fail; this is the last line behind them)."""
         new = [[r.req_id, r.block_ids, _row(r.sampling), *_row(r)[3:]] for r in self.new_requests]
-        return msgpack.packb([self.step_id, new, [_row(s) for s in self.scheduled], self.finished_req_ids,
-                              self.defer_output])
+        scheduled = [_row(s) for s in self.scheduled]
+        try:
+            return msgpack.packb([self.step_id, new, scheduled, self.finished_req_ids, self.defer_output])
+        except (OverflowError, TypeError, ValueError) as e:
+            bad = [row[0] for row in new + scheduled if not _packs(row)]
+            raise StepEncodingError(f"step {self.step_id} cannot be encoded: {type(e).__name__}: {e}", bad) from e
 
     @classmethod
     def decode(cls, data: bytes) -> "StepPlan":
@@ -116,6 +122,22 @@ class StepOutput:
     @classmethod
     def decode(cls, data: bytes) -> "StepOutput":
         return cls(*msgpack.unpackb(data, raw=False))
+
+
+class StepEncodingError(ValueError):
+    """A step that msgpack cannot carry; `req_ids`: the requests whose own part it cannot."""
+
+    def __init__(self, message: str, req_ids: list[str]) -> None:
+        super().__init__(message)
+        self.req_ids = req_ids
+
+
+def _packs(row: list) -> bool:
+    try:
+        msgpack.packb(row)
+        return True
+    except (OverflowError, TypeError, ValueError):
+        return False
 
 
 def _row(obj) -> list:

@@ -9,6 +9,8 @@ import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from distengine.detokenizer import IncrementalDetokenizer, check_stop_strings
 from distengine.outputs import CompletionOutput, RequestOutput
@@ -463,3 +465,24 @@ def test_window_inconsistency_resyncs_on_full_decode():
         ids = [0] + [rng.randrange(5) for _ in range(rng.randint(0, 12))]
         got, final, tail = _run(tok, ids, _chunks(rng, len(ids), 3), True)
         assert got == final and tail == ""
+
+
+_FIELD_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70), st.floats(), st.just(10 ** 400),
+                          st.text(max_size=3), st.lists(st.integers(-2 ** 70, 2 ** 70), max_size=3),
+                          st.lists(st.text(max_size=3), max_size=3))
+
+
+@settings(max_examples=400, deadline=None, database=None)
+@given(st.dictionaries(st.sampled_from(["temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                                        "frequency_penalty", "repetition_penalty", "max_tokens", "min_tokens",
+                                        "seed", "logprobs", "stop", "stop_token_ids"]), _FIELD_VALUES))
+def test_whatever_passes_the_checks_encodes_in_a_step(kw):
+    """The bounded contract: params that construct travel in a step's msgpack, whatever they hold
+    (an unchecked top_k of 2**64 once ended a TP=2 engine). A bad value is a ValueError or
+    TypeError, nothing else."""
+    try:
+        sp = SamplingParams(**kw)
+    except (ValueError, TypeError):
+        return
+    plan = StepPlan(0, [NewRequest("r", [[1]], sp.for_workers(), 0, [], [])])
+    assert StepPlan.decode(plan.encode()) == plan

@@ -40,6 +40,7 @@ class Worker:
         self.tp = None
         self.runner = None
         self._pending = None  # the launched step whose output the next execute() returns
+        self._threads: int | None = None  # torch's CPU threads before this worker set them
 
     # ---- set-up ----------------------------------------------------------------------------
     def node_address(self) -> tuple[str, int]:
@@ -81,6 +82,12 @@ class Worker:
             elif self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
+        if self.device.type == "cpu":
+            # As Ray gives its CPU workers (OMP_NUM_THREADS=1): torch's default, a thread per core,
+            # spins against whatever else runs there (the front end, a second rank) and a step on a
+            # busy machine takes many times as long. Given back at shutdown.
+            self._threads = torch.get_num_threads()
+            torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 1))
         torch.manual_seed(self.config.seed)
         if self.world_size > 1 and self.init_method is None:
             raise ValueError(f"rank {self.rank} of {self.world_size}: no init_method (tcp://HOST:PORT) to join")
@@ -147,6 +154,8 @@ class Worker:
         import torch.distributed as dist
         self._pending = None
         self.runner = None
+        if self._threads is not None:
+            torch.set_num_threads(self._threads)
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         # An in-process worker outlives its engine: give the weights and the KV cache back now.

@@ -7,8 +7,10 @@ ending with `data: [DONE]`), GET /v1/models, /health (200 while the engine lives
 `{"error": {"message", "type", "param", "code"}}`: 400 for bad input (naming the field), 401 for a
 missing or wrong API key, 404 for an unknown model, 503 once the engine is dead. A client that
 disconnects has its request aborted at once. SIGTERM or Ctrl-C: the server stops accepting, lets
-requests in flight finish (up to --shutdown-timeout seconds, then aborts them), shuts the workers
-down and frees their placement group, and exits 0.
+requests in flight finish (up to --shutdown-timeout seconds; those still running then end with an
+error event and `[DONE]`), shuts the workers down and frees their placement group, and exits 0.
+When the engine dies, every request in flight ends with an error and the server exits with
+status 1, so that a supervisor restarts it.
 
 This module is the command (arguments, engine, uvicorn, signals); it imports nothing heavy, so
 that `distengine --help` stays fast. The application is `launch.serve.app.build_app`; the wire
@@ -18,6 +20,7 @@ format `launch.serve.protocol`; the endpoints `launch.serve.routes`; errors `lau
 import contextlib
 import os
 import signal
+import sys
 import threading
 
 
@@ -79,13 +82,28 @@ def run(args) -> int:
         verbose = bool(os.environ.get("DISTENGINE_VERBOSE"))
         server = _uvicorn_server(uvicorn.Config(app, host=args.host, port=args.port,
                                                 log_level="info" if verbose else "warning", access_log=verbose,
-                                                timeout_graceful_shutdown=args.shutdown_timeout))
+                                                timeout_graceful_shutdown=args.shutdown_timeout + CUT_GRACE_S),
+                                 engine, args.shutdown_timeout)
+        # A dead engine cannot come back: the server ends (status 1) so that a supervisor restarts it.
+        threading.Thread(target=_stop_when_dead, args=(engine, server), name="distengine-watch", daemon=True).start()
         print(f"distengine serve: {names[0]} on http://{args.host}:{args.port}/v1 "
               f"(max_model_len {engine.max_model_len}, TP={args.tensor_parallel_size})", flush=True)
         server.run()
     finally:
         engine.shutdown()
+    if engine.dead is not None:
+        print(f"distengine serve: the engine died ({engine.dead}); exiting", file=sys.stderr, flush=True)
+        return 1
     return 0
+
+
+# Seconds past --shutdown-timeout for the requests cut then to send their error event and [DONE].
+CUT_GRACE_S = 5.0
+
+
+def _stop_when_dead(engine, server) -> None:
+    engine.died.wait()
+    server.should_exit = True
 
 
 def _stats_interval() -> float:
@@ -110,12 +128,34 @@ def _stats_interval() -> float:
     return interval
 
 
-def _uvicorn_server(config):
+def _uvicorn_server(config, engine, shutdown_timeout: float):
     """uvicorn's server, except that a SIGTERM or Ctrl-C, once the graceful shutdown is done, ends
-    the process normally (status 0): uvicorn would raise the signal again."""
+    the process normally (status 0): uvicorn would raise the signal again; and that the requests
+    still running `shutdown_timeout` seconds into the shutdown end with an error event and
+    `[DONE]` (uvicorn would cancel their tasks mid-stream, with a traceback each)."""
+    import asyncio
+
     import uvicorn
 
+    from launch.serve.errors import ServerShutdown
+
+    def cut() -> None:
+        engine.abort_all(ServerShutdown(f"the server shut down before this request finished "
+                                        f"(--shutdown-timeout {shutdown_timeout:g} s)"))
+
     class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            timer = asyncio.get_running_loop().call_later(shutdown_timeout, cut)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                timer.cancel()
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.should_exit:  # a second signal: no more waiting
+                cut()
+            super().handle_exit(sig, frame)
+
         @contextlib.contextmanager
         def capture_signals(self):
             if threading.current_thread() is not threading.main_thread():

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from distengine.executor import EngineDeadError
+from distengine.executor import EngineDeadError, RequestError
 from distengine.sampling_params import SamplingParams
 from launch.serve.errors import APIError, bad_input, died_message, error_body, not_running
 from launch.serve.protocol import SSE_DONE, ResponseBuilder, sse, usage
@@ -140,6 +140,8 @@ class _Generation:
                 return Response(status_code=499)  # nobody is listening
         except EngineDeadError as e:
             raise APIError(503, died_message(e)) from None
+        except RequestError as e:
+            raise APIError(500, str(e)) from None
         reply = self.reply
         body = [reply.choice(i, c.text, reply.logprobs(c.token_ids, c.logprobs) if with_logprobs else None,
                              c.finish_reason, c.stop_reason) for i, c in enumerate(choices)]
@@ -172,4 +174,6 @@ class _Generation:
                 yield reply.chunk([], usage=usage(self.prompt_tokens, n_out, cached))
         except EngineDeadError as e:
             yield sse(error_body(503, died_message(e)))
+        except RequestError as e:
+            yield sse(error_body(500, str(e)))
         yield SSE_DONE

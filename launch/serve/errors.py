@@ -1,10 +1,14 @@
 """Errors in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, whatever raised
 them: our own refusals (`APIError`), a request body pydantic rejects, a route or method that does
 not exist, or a bug (500)."""
+import json
+
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from distengine.executor import EngineDeadError
 
 STATUS_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowedError",
                 500: "InternalServerError", 503: "ServiceUnavailableError"}
@@ -22,8 +26,16 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": STATUS_TYPES.get(status, "Error"), "param": param, "code": status}}
 
 
+class _AsciiJSON(JSONResponse):
+    """An error body as ASCII JSON: whatever text an error quotes (a client's lone surrogate
+    included) can be sent."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param), status_code=status)
+    return _AsciiJSON(error_body(status, message, param), status_code=status)
 
 
 def not_running(reason) -> APIError:
@@ -31,8 +43,12 @@ def not_running(reason) -> APIError:
     return APIError(503, f"the engine is not running: {reason}")
 
 
+class ServerShutdown(EngineDeadError):
+    """A request the server's shutdown cut short."""
+
+
 def died_message(e: BaseException) -> str:
-    return f"the engine died while serving this request: {e}"
+    return str(e) if isinstance(e, ServerShutdown) else f"the engine died while serving this request: {e}"
 
 
 def bad_input(e: Exception) -> APIError:

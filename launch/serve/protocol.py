@@ -2,9 +2,11 @@
 
 In: the request bodies (pydantic, as vLLM's server) and their translation to the engine's prompts
 and `SamplingParams`. Fields OpenAI defines and vLLM's extras (top_k, min_p, repetition_penalty,
-ignore_eos, min_tokens, stop_token_ids, ...) are read; unknown fields are ignored, as vLLM does; a
-known field of the wrong type is a 400 naming it. Token ids must be integers (no strings, floats
-or bools).
+ignore_eos, min_tokens, stop_token_ids, ...) are read; a field OpenAI or vLLM defines that we do not
+implement is refused by name (`NOT_IMPLEMENTED`), never ignored; other unknown fields are ignored,
+as vLLM does; a known field of the wrong type is a 400 naming it. Token ids must be integers (no
+strings, floats or bools); every string must be valid UTF-8 and every list is bounded
+(`distengine.limits`).
 
 Out: the engine's outputs as OpenAI's response bodies and server-sent-event chunks (choices,
 logprobs, usage)."""
@@ -16,19 +18,66 @@ import uuid
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
+from distengine.limits import MAX_MESSAGES, MAX_PROMPTS_PER_REQUEST, MAX_TOKEN_IDS, bad_text
 from distengine.sampling_params import SamplingParams
 
 # ---- request bodies ----------------------------------------------------------------------------
+
+
+# Fields of OpenAI's or vLLM's API that we do not implement, with the values that ask for nothing
+# (a client may send those): anything else is refused with the field named.
+NOT_IMPLEMENTED = {"logit_bias": (None, {}), "prompt_logprobs": (None,), "bad_words": (None, []),
+                   "allowed_token_ids": (None,), "guided_json": (None,), "guided_regex": (None,),
+                   "guided_choice": (None,), "guided_grammar": (None,), "guided_decoding_backend": (None,),
+                   "structured_outputs": (None,), "use_beam_search": (None, False), "length_penalty": (None, 1.0),
+                   "truncate_prompt_tokens": (None,), "return_tokens_as_token_ids": (None, False),
+                   "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+                   "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]), "echo": (None, False),
+                   "suffix": (None, ""), "response_format": (None, {"type": "text"})}
+
+
+def _first_bad_text(value, path: str) -> str | None:
+    """Where in a body's value a string lies that UTF-8 cannot carry, or None."""
+    if isinstance(value, str):
+        return path if bad_text(value) else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and bad_text(key):
+            return f"{path}[{ascii(key)}]"
+        found = _first_bad_text(item, f"{path}[{key!r}]" if not isinstance(key, str) else f"{path}.{key}")
+        if found:
+            return found
+    return None
+
+
+class Body(BaseModel):
+    """A request body: unknown fields kept aside (to refuse the ones we know and lack), and no
+    string UTF-8 cannot carry (a lone surrogate could be neither tokenized nor sent back)."""
+    model_config = ConfigDict(extra="allow")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_text(cls, value, info):
+        bad = _first_bad_text(value, info.field_name)
+        if bad:
+            raise ValueError(f"{bad} is not valid text: UTF-8 cannot carry a lone surrogate")
+        return value
+
+    def not_implemented(self) -> list[tuple[str, str]]:
+        """(field, why) for the fields we know and do not implement, sent with a value that asks
+        for something."""
+        extra = self.model_extra or {}
+        return [(name, f"{name} is not supported") for name, off in NOT_IMPLEMENTED.items()
+                if name in extra and extra[name] not in off]
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _Sampling(Body):
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -53,7 +102,7 @@ class _Sampling(BaseModel):
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, why) for what we cannot serve, checked before any work."""
-        out = []
+        out = self.not_implemented()
         if self.n != 1:
             out.append(("n", "only n=1 is supported"))
         if self.stream_options is not None and not self.stream:
@@ -82,18 +131,20 @@ class CompletionRequest(_Sampling):
     prompt: PromptInput
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    best_of: int | None = Field(None, ge=0, lt=2 ** 63)
+
+    @field_validator("prompt")
+    @classmethod
+    def _bounded(cls, prompt):
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) \
+                and len(prompt) > MAX_PROMPTS_PER_REQUEST:
+            raise ValueError(f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request, got {len(prompt)}")
+        return prompt
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.echo:
-            out.append(("echo", "echo is not supported"))
         if self.best_of not in (None, 1):
             out.append(("best_of", f"best_of must be 1 (only n=1 is supported), got {self.best_of}"))
-        if self.suffix:
-            out.append(("suffix", "suffix is not supported"))
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             out.append(("logprobs", f"logprobs must be in [0, 20], got {self.logprobs}"))
         return out
@@ -113,8 +164,7 @@ class TextPart(BaseModel):
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatMessage(Body):
     role: str
     content: str | list[TextPart] | None = None
 
@@ -127,7 +177,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -155,18 +205,16 @@ class ChatCompletionRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TokenizeRequest(Body):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
     add_special_tokens: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class DetokenizeRequest(Body):
     model: str | None = None
-    tokens: list[StrictInt]
+    tokens: list[StrictInt] = Field(max_length=MAX_TOKEN_IDS)
 
 
 def chat_prompt(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
