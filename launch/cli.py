@@ -24,6 +24,7 @@ COMMANDS = (
     (("bench", "latency"), "launch.bench.latency", "the time to generate one batch, against the roofline"),
     (("bench", "throughput"), "launch.bench.throughput", "offline throughput over many prompts, against the roofline"),
     (("bench", "serve"), "launch.bench.serve", "load on an OpenAI-compatible server: throughput, TTFT, TPOT, ITL"),
+    (("bench", "soak"), "launch.bench.soak", "many requests on a server: RSS, latency and KV blocks over time"),
     (("bench", "sweep"), "launch.bench.sweep", "a grid of benchmark points scheduled by Ray, with a table and plots"),
 )
 # Errors that mean "what you asked for cannot be done", not "the program broke".

@@ -15,6 +15,7 @@ import math
 import os
 import random
 import time
+from dataclasses import dataclass, field
 
 
 def add_arguments(p) -> None:
@@ -39,43 +40,114 @@ def add_arguments(p) -> None:
 
 
 def _prompts(args) -> list:
-    rng = random.Random(args.seed)
-    v = args.random_vocab_size
-    prefix = [rng.randrange(v) for _ in range(args.random_prefix_len)]
-    rows = [prefix + [rng.randrange(v) for _ in range(args.random_input_len)] for _ in range(args.num_prompts)]
-    if args.tokenizer is None:
+    return random_prompts(args.seed, args.random_vocab_size, [args.random_input_len] * args.num_prompts,
+                          args.random_prefix_len, args.tokenizer)
+
+
+def random_prompts(seed: int, vocab_size: int, lengths: list[int], prefix_len: int = 0,
+                   tokenizer: str | None = None) -> list:
+    """One prompt per length: a shared prefix of `prefix_len` random ids, then `length` random ids,
+    all below `vocab_size`; with `tokenizer`, the ids decoded to text."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(vocab_size) for _ in range(prefix_len)]
+    rows = [prefix + [rng.randrange(vocab_size) for _ in range(n)] for n in lengths]
+    if tokenizer is None:
         return rows
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    tok = AutoTokenizer.from_pretrained(tokenizer)
     return [tok.decode([t % tok.vocab_size for t in row]) for row in rows]
 
 
-async def _first_model(client) -> str:
+async def first_model(client) -> str:
     resp = await client.get("/models")
     if resp.status_code != 200:
         raise RuntimeError(f"GET /v1/models: HTTP {resp.status_code}: {resp.text[:300]}")
     return resp.json()["data"][0]["id"]
 
 
-def _stats(xs: list[float]) -> dict:
+def summary(xs: list[float]) -> dict:
     if not xs:
         return {"mean": float("nan"), "median": float("nan"), "p99": float("nan")}
     s = sorted(xs)
     return {"mean": sum(s) / len(s), "median": s[len(s) // 2], "p99": s[min(len(s) - 1, math.ceil(0.99 * len(s)) - 1)]}
 
 
+@dataclass
+class StreamRecord:
+    """One streamed completion as the client saw it; times in seconds from its sending."""
+    ok: bool = False               # a token came and no error
+    ttft: float | None = None
+    itl: list[float] = field(default_factory=list)
+    latency: float | None = None   # to the stream's end, or to the client's closing it
+    prompt_tokens: int = 0         # the server's usage chunk's counts
+    output_tokens: int = 0
+    chunks: int = 0                # chunks that carried tokens
+    done: bool = False             # `data: [DONE]` came
+    disconnected: bool = False     # the client closed the stream before its end
+    error: str | None = None
+
+
+def open_client(base_url: str, api_key: str | None = None):
+    """An httpx client of the server's /v1, with the API key (else $OPENAI_API_KEY or
+    $DISTENGINE_API_KEY). Plain HTTP and our own SSE parsing (as vLLM's bench does): the openai
+    client builds a pydantic object per streamed chunk, and at hundreds of streams the load
+    generator would then be what it measures."""
+    import httpx
+    key = api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("DISTENGINE_API_KEY") or "none"
+    return httpx.AsyncClient(base_url=base_url.rstrip("/") + "/v1", headers={"Authorization": f"Bearer {key}"},
+                             timeout=httpx.Timeout(3600.0, connect=30.0),
+                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024))
+
+
+async def stream_completion(client, body: dict, disconnect_after: int | None = None) -> StreamRecord:
+    """POST /completions with `body` (`stream: true`) and read its events; with
+    `disconnect_after`, close the stream once that many chunks of tokens have come, as a client
+    that goes away does. A failure is recorded, not raised."""
+    rec = StreamRecord()
+    t0 = last = time.perf_counter()
+    try:
+        async with client.stream("POST", "/completions", json=body) as resp:
+            if resp.status_code != 200:
+                raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    rec.done = True
+                    break
+                now = time.perf_counter()
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise RuntimeError(f"the stream ended with an error: {chunk['error']}")
+                # A chunk per step of tokens, its text possibly empty (a server without a
+                # tokenizer, text held back for stop strings): vLLM's bench counts it too.
+                if chunk.get("choices"):
+                    if rec.ttft is None:
+                        rec.ttft = now - t0
+                    else:
+                        rec.itl.append(now - last)
+                    last = now
+                    rec.chunks += 1
+                if chunk.get("usage"):
+                    rec.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    rec.output_tokens = chunk["usage"]["completion_tokens"]
+                if disconnect_after is not None and rec.chunks >= disconnect_after:
+                    rec.disconnected = True
+                    break  # leaving the block closes the connection mid-stream
+        rec.latency = time.perf_counter() - t0
+        rec.ok = rec.ttft is not None
+        if not rec.ok:
+            rec.error = "the stream ended without a token"
+    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
+        rec.error = f"{type(e).__name__}: {e}"
+    return rec
+
+
 async def _benchmark(args, base_url: str) -> dict:
     import asyncio
-
-    import httpx
-    key = args.api_key or os.environ.get("OPENAI_API_KEY") or os.environ.get("DISTENGINE_API_KEY") or "none"
-    # Plain HTTP and our own SSE parsing (as vLLM's bench does): the openai client builds a pydantic
-    # object per streamed chunk, and at hundreds of streams the load generator would then be what
-    # it measures.
-    client = httpx.AsyncClient(base_url=base_url.rstrip("/") + "/v1", headers={"Authorization": f"Bearer {key}"},
-                               timeout=httpx.Timeout(3600.0, connect=30.0),
-                               limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024))
-    model = args.model or await _first_model(client)
+    client = open_client(base_url, args.api_key)
+    model = args.model or await first_model(client)
     prompts = _prompts(args)
     limit = asyncio.Semaphore(args.max_concurrency or len(prompts))
     rng = random.Random(args.seed + 1)
@@ -88,41 +160,9 @@ async def _benchmark(args, base_url: str) -> dict:
     if args.ignore_eos:
         body["ignore_eos"] = True
 
-    async def one(prompt) -> dict:
+    async def one(prompt) -> StreamRecord:
         async with limit:
-            rec = {"ok": False, "ttft": None, "itl": [], "prompt_tokens": 0, "output_tokens": 0}
-            t0 = last = time.perf_counter()
-            try:
-                async with client.stream("POST", "/completions", json={**body, "prompt": prompt}) as resp:
-                    if resp.status_code != 200:
-                        raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}")
-                    async for line in resp.aiter_lines():
-                        if not line.startswith("data:"):
-                            continue
-                        data = line[5:].strip()
-                        if data == "[DONE]":
-                            break
-                        now = time.perf_counter()
-                        chunk = json.loads(data)
-                        if "error" in chunk:
-                            raise RuntimeError(f"the stream ended with an error: {chunk['error']}")
-                        # A chunk per step of tokens, its text possibly empty (a server without a
-                        # tokenizer, text held back for stop strings): vLLM's bench counts it too.
-                        if chunk.get("choices"):
-                            if rec["ttft"] is None:
-                                rec["ttft"] = now - t0
-                            else:
-                                rec["itl"].append(now - last)
-                            last = now
-                        if chunk.get("usage"):
-                            rec["prompt_tokens"] = chunk["usage"]["prompt_tokens"]
-                            rec["output_tokens"] = chunk["usage"]["completion_tokens"]
-                rec["latency"] = time.perf_counter() - t0
-                rec["ok"] = rec["ttft"] is not None
-                if not rec["ok"]:
-                    rec["error"] = "the stream ended without a token"
-            except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
-                rec["error"] = f"{type(e).__name__}: {e}"
+            rec = await stream_completion(client, {**body, "prompt": prompt})
             if bar is not None:
                 bar.update(1)
             return rec
@@ -138,19 +178,19 @@ async def _benchmark(args, base_url: str) -> dict:
     if bar is not None:
         bar.close()
     await client.aclose()
-    done = [r for r in records if r["ok"]]
-    out_tokens = sum(r["output_tokens"] for r in done)
-    in_tokens = sum(r["prompt_tokens"] for r in done)
-    tpot = [(r["latency"] - r["ttft"]) / (r["output_tokens"] - 1) for r in done if r["output_tokens"] > 1]
+    done = [r for r in records if r.ok]
+    out_tokens = sum(r.output_tokens for r in done)
+    in_tokens = sum(r.prompt_tokens for r in done)
+    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
     return {"model": model, "base_url": base_url, "num_prompts": len(prompts), "completed": len(done),
-            "failed": len(records) - len(done), "errors": [r["error"] for r in records if "error" in r][:5],
+            "failed": len(records) - len(done), "errors": [r.error for r in records if r.error][:5],
             "duration_s": duration, "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
             "request_throughput": len(done) / duration, "output_throughput": out_tokens / duration,
             "total_token_throughput": (in_tokens + out_tokens) / duration, "total_input_tokens": in_tokens,
             "total_output_tokens": out_tokens,
-            "ttft_ms": {k: v * 1e3 for k, v in _stats([r["ttft"] for r in done]).items()},
-            "tpot_ms": {k: v * 1e3 for k, v in _stats(tpot).items()},
-            "itl_ms": {k: v * 1e3 for k, v in _stats([x for r in done for x in r["itl"]]).items()}}
+            "ttft_ms": {k: v * 1e3 for k, v in summary([r.ttft for r in done]).items()},
+            "tpot_ms": {k: v * 1e3 for k, v in summary(tpot).items()},
+            "itl_ms": {k: v * 1e3 for k, v in summary([x for r in done for x in r.itl]).items()}}
 
 
 def run(args) -> int:
