@@ -21,6 +21,27 @@ from distengine.limits import MAX_TOKEN_IDS
 from distengine.sampling_params import SamplingParams
 
 PROMPT_KEYS = ("prompt_token_ids", "prompt")
+# Prompt keys and chat content parts that carry images, audio or video (vLLM's and OpenAI's
+# names): refused by name, since of a multimodal checkpoint only the language model is served.
+MEDIA_PROMPT_KEYS = ("multi_modal_data", "multi_modal_uuids", "mm_processor_kwargs")
+MEDIA_PART_TYPES = frozenset({"image_url", "image", "input_image", "image_pil", "image_embeds", "video_url", "video",
+                              "input_audio", "audio_url", "audio", "file", "input_file"})
+NO_MEDIA = "images, audio and video are not supported (only the text part of a multimodal model is served)"
+
+
+def check_message_content(content, field: str) -> None:
+    """A chat message's content: a string, None, or a list of {'type': 'text', 'text': str}
+    parts; a media part is refused by its type."""
+    if content is None or isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise TypeError(f"{field} must be a string or a list of content parts, got {type(content).__name__}")
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in MEDIA_PART_TYPES:
+            raise ValueError(f"{field}[{i}] is a {kind!r} part: {NO_MEDIA}")
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise TypeError(f"{field}[{i}] must be a {{'type': 'text', 'text': str}} part, got {part!r:.80}")
 
 
 def as_prompt_list(prompts) -> list:
@@ -81,6 +102,9 @@ class InputProcessor:
                 raise ValueError(f"{field} cannot be tokenized (invalid text, e.g. a lone surrogate): {e}") from None
             text, ids = p, self.token_ids(encoded, field)
         elif isinstance(p, dict):
+            media = [k for k in MEDIA_PROMPT_KEYS if k in p]
+            if media:
+                raise ValueError(f"{field}[{media[0]!r}]: {NO_MEDIA}")
             unknown = sorted(set(p) - set(PROMPT_KEYS), key=str)
             if unknown:
                 raise ValueError(f"{field} has unknown key(s) {unknown}: a prompt dict holds {list(PROMPT_KEYS)}")

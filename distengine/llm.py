@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 
 from distengine.config import EngineConfig
 from distengine.engine_core import EngineCore
-from distengine.inputs import InputProcessor
+from distengine.inputs import InputProcessor, check_message_content
 from distengine.outputs import RequestOutput
 from distengine.output_processor import OutputProcessor
 from distengine.sampling_params import SamplingParams
@@ -81,6 +81,8 @@ class LLM:
                     isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in conv):
                 raise TypeError(f"messages[{i}] must be a non-empty list of {{'role': str, 'content': ...}} dicts, "
                                 f"got {conv!r:.80}")
+            for j, m in enumerate(conv):
+                check_message_content(m["content"], f"messages[{i}][{j}]['content']")
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("chat() needs a tokenizer with a chat template")
         prompts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in convs]

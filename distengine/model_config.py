@@ -16,6 +16,9 @@ FULL, SLIDING, CHUNKED, MAMBA, CROSS = "full_attention", "sliding_window", "chun
 # Decoder layers that keep nothing in the cache (Nemotron-H's MLP-only and MoE-only layers), and
 # Falcon-H1's layers, where attention and a Mamba mixer run side by side (both keep a cache).
 MLP, MOE, PARALLEL = "mlp", "moe", "attention+mamba"
+# Gated DeltaNet layers (Qwen3-Next, Qwen3.5): linear attention with a recurrent state. The plan
+# keeps their state as it keeps a Mamba layer's (kind MAMBA, a `DeltaNetShape`).
+LINEAR = "linear_attention"
 
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2,
                 "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "float8_e4m3fn": 1}
@@ -67,6 +70,42 @@ class MambaShape:
 
 
 @dataclass(frozen=True)
+class DeltaNetShape:
+    """A Gated DeltaNet layer's state: the causal conv's last d_conv - 1 inputs over the q, k and
+    v channels (the model's dtype), and the recurrent state [value heads, key dim, value dim] in
+    `state_dtype_bytes` (fp32 by default: the delta rule accumulates in it, as vLLM's
+    mamba_ssm_cache_dtype). Heads split across ranks: the key heads and the value heads alike."""
+    num_k_heads: int
+    num_v_heads: int
+    k_dim: int
+    v_dim: int
+    d_conv: int
+    state_dtype_bytes: int = 4
+
+    def heads_per_rank(self, tp: int) -> tuple[int, int]:
+        if self.num_k_heads % tp or self.num_v_heads % tp:
+            raise ConfigError(f"Gated DeltaNet heads ({self.num_k_heads} key, {self.num_v_heads} value) are not "
+                              f"divisible by tp={tp}")
+        if self.num_v_heads % self.num_k_heads:
+            raise ConfigError(f"Gated DeltaNet value heads ({self.num_v_heads}) are not a multiple of its key heads "
+                              f"({self.num_k_heads})")
+        return self.num_k_heads // tp, self.num_v_heads // tp
+
+    def state_shapes(self, tp: int) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        """(conv state [d_conv - 1, q + k + v channels], recurrent state [value heads, key dim,
+        value dim]) on one of `tp` ranks."""
+        hk, hv = self.heads_per_rank(tp)
+        return (self.d_conv - 1, 2 * hk * self.k_dim + hv * self.v_dim), (hv, self.k_dim, self.v_dim)
+
+    def layout(self, tp: int, dtype_bytes: int) -> "StateLayout":
+        conv, state = self.state_shapes(tp)
+        conv_nbytes = conv[0] * conv[1] * dtype_bytes
+        offset = -(-conv_nbytes // 16) * 16
+        return StateLayout(conv, state, dtype_bytes, self.state_dtype_bytes, offset,
+                           offset + state[0] * state[1] * state[2] * self.state_dtype_bytes)
+
+
+@dataclass(frozen=True)
 class StateLayout:
     """One Mamba layer's state on one rank, as bytes of its page(s)."""
 
@@ -97,7 +136,7 @@ class LayerKV:
     head_dim: int = 0
     window: int = 0
     chunk: int = 0
-    mamba: MambaShape | None = None
+    mamba: MambaShape | DeltaNetShape | None = None  # a state layer's (kind MAMBA)
     kv_sharing_target: str | None = None  # reads this layer's K/V, allocates nothing
 
     def bytes_per_token(self, tp: int, dtype_bytes: int) -> int:
@@ -192,6 +231,7 @@ def parse_model_config(cfg: dict, name: str = "model", kv_cache_dtype: str = "au
 
     kinds = _layer_kinds(text, cfg, int(num_layers))
     mamba = _mamba_shape(text, dtype) if MAMBA in kinds or PARALLEL in kinds else None
+    deltanet = deltanet_shape(text) if LINEAR in kinds else None
     if any(k in (FULL, SLIDING, CHUNKED, CROSS, PARALLEL) for k in kinds):
         if not heads:
             raise ConfigError("config lacks num_attention_heads")
@@ -215,6 +255,8 @@ def parse_model_config(cfg: dict, name: str = "model", kv_cache_dtype: str = "au
     for i, k in enumerate(kinds):
         if k == MAMBA:
             layers.append(LayerKV(name=names[i], kind=MAMBA, mamba=mamba))
+        elif k == LINEAR:
+            layers.append(LayerKV(name=names[i], kind=MAMBA, mamba=deltanet))
         elif k == PARALLEL:  # both keep a cache: the attention under the layer's name
             layers += [attention(i, FULL), LayerKV(name=mamba_layer_name(i, k), kind=MAMBA, mamba=mamba)]
         elif k not in (MLP, MOE):
@@ -229,8 +271,9 @@ def mamba_layer_name(i: int, kind: str) -> str:
 
 
 def decoder_layer_kinds(cfg: dict) -> list[str]:
-    """Per decoder layer: its attention type, MAMBA, PARALLEL (attention and Mamba side by side),
-    MLP or MOE (no cache). The models build their layers from this, the plan its cache."""
+    """Per decoder layer: its attention type, MAMBA, LINEAR (Gated DeltaNet), PARALLEL (attention
+    and Mamba side by side), MLP or MOE (no cache). The models build their layers from this, the
+    plan its cache."""
     text = _text_with_defaults(cfg)
     return _layer_kinds(text, cfg, _num_layers(text))
 
@@ -250,7 +293,7 @@ _LAYER_TYPE_NAMES = {
     "full_attention": FULL, "attention": FULL, "global": FULL,
     "sliding_attention": SLIDING, "sliding_window": SLIDING, "local": SLIDING,
     "chunked_attention": CHUNKED,
-    "mamba": MAMBA, "mamba2": MAMBA, "linear_attention": MAMBA,
+    "mamba": MAMBA, "mamba2": MAMBA, "linear_attention": LINEAR,
     "cross_attention": CROSS,
     "mlp": MLP, "moe": MOE, "hybrid": PARALLEL,
 }
@@ -277,13 +320,20 @@ def _layer_kinds(text: dict, cfg: dict, n: int) -> list[str]:
         if len(types) != n:
             raise ConfigError(f"{key} has {len(types)} entries for {n} layers")
         unknown = sorted({t for t in types if t not in _LAYER_TYPE_NAMES})
-        if "linear_attention" in types and not (text.get("mamba_d_state") or text.get("ssm_state_size")):
-            # transformers names Mamba layers so, but also Qwen3-Next's Gated DeltaNet layers.
-            unknown.append("linear_attention (without Mamba fields: not a Mamba layer)")
         if unknown:
             raise ConfigError(f"unsupported layer type(s) {', '.join(unknown)} "
                               f"(supported: {', '.join(sorted(_LAYER_TYPE_NAMES))})")
-        return [_LAYER_TYPE_NAMES[t] for t in types]
+        kinds = [_LAYER_TYPE_NAMES[t] for t in types]
+        if LINEAR in kinds and not text.get("linear_num_value_heads"):
+            # transformers names some Mamba layers so too: without Gated DeltaNet fields, Mamba.
+            if not (text.get("mamba_d_state") or text.get("ssm_state_size")):
+                raise ConfigError("linear_attention layers without Gated DeltaNet (linear_num_value_heads, ...) "
+                                  "or Mamba (mamba_d_state) fields")
+            kinds = [MAMBA if k == LINEAR else k for k in kinds]
+        return kinds
+    if text.get("full_attention_interval") and text.get("linear_num_value_heads"):  # Qwen3-Next without layer_types
+        interval = int(text["full_attention_interval"])
+        return [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n)]
     if text.get("attn_layer_indices") is not None:  # Bamba
         idx = set(text["attn_layer_indices"])
         return [FULL if i in idx else MAMBA for i in range(n)]
@@ -337,6 +387,18 @@ def _mamba_shape(text: dict, cache_dtype: str) -> MambaShape:
         return MambaShape(2, int(n_heads * d_head), int(d_state), int(d_conv), int(n_heads), int(d_head), int(groups),
                           ssm_bytes)
     return MambaShape(1, int(expand * hidden), int(d_state), int(d_conv))
+
+
+def deltanet_shape(text: dict) -> DeltaNetShape:
+    """Qwen3-Next / Qwen3.5's linear_* fields; the recurrent state in `mamba_ssm_dtype` when the
+    config names one, else fp32."""
+    def need(key: str) -> int:
+        return int(_need(text, key, what="Gated DeltaNet layer"))
+    state_dtype = text.get("mamba_ssm_dtype") or text.get("mamba_ssm_cache_dtype") or "float32"
+    if state_dtype not in _DTYPE_BYTES:
+        raise ConfigError(f"unsupported Gated DeltaNet state dtype {state_dtype!r}")
+    return DeltaNetShape(need("linear_num_key_heads"), need("linear_num_value_heads"), need("linear_key_head_dim"),
+                         need("linear_value_head_dim"), need("linear_conv_kernel_dim"), _DTYPE_BYTES[state_dtype])
 
 
 def _kv_sharing(text: dict, kinds: list[str], names: list[str]) -> dict[int, str]:

@@ -8,7 +8,7 @@ def compiled_variants() -> int:
     import importlib
     total = 0
     for name in ("paged_attention", "kv_store", "layernorm", "rotary", "qk_norm_rope", "activation", "gemv",
-                 "mamba_conv", "mamba_ssd", "mamba_state_update", "gated_rmsnorm", "fused_moe"):
+                 "mamba_conv", "mamba_ssd", "mamba_state_update", "gated_rmsnorm", "fused_moe", "gated_delta"):
         for obj in vars(importlib.import_module(f"kernels.{name}")).values():
             for cache in getattr(obj, "device_caches", {}).values():
                 total += len(cache[0])

@@ -28,28 +28,29 @@ __all__ = ["gated_rms_norm", "gated_rms_norm_ref"]
 
 
 @triton.jit
-def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, group_size, eps, sx, sz, so,
+def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, num_groups, group_size, eps, sx, sz, so,
                            NORM_BEFORE_GATE: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr,
-                           BLOCK: tl.constexpr, PDL: tl.constexpr):
+                           GROUPS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
-    col0 = tl.program_id(1) * group_size
+    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     cols = tl.arange(0, BLOCK)
-    mask = cols < group_size
-    x = tl.load(x_ptr + row * sx + col0 + cols, mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + row * sz + col0 + cols, mask=mask, other=0.0).to(tl.float32)
+    mask = (groups < num_groups)[:, None] & (cols < group_size)[None, :]
+    offs = groups[:, None] * group_size + cols[None, :]
+    x = tl.load(x_ptr + row * sx + offs, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + row * sz + offs, mask=mask, other=0.0).to(tl.float32)
     gate = z / (1.0 + tl.exp(-z))
     if not NORM_BEFORE_GATE:
         x = x * gate
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / group_size + eps)
-    w = tl.load(w_ptr + col0 + cols, mask=mask, other=0.0).to(tl.float32)
-    y = x * rstd
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / group_size + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = x * rstd[:, None]
     if ROUND_BEFORE_WEIGHT:
         y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
     y = y * w
     if NORM_BEFORE_GATE:
         y = y * gate
-    tl.store(out_ptr + row * so + col0 + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * so + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _check(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int) -> None:
@@ -61,7 +62,10 @@ def _check(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: i
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float,
                    norm_before_gate: bool = False, round_before_weight: bool = False) -> torch.Tensor:
     """x, z `[T, I]` (row strides arbitrary, unit column stride), weight `[I]`; returns a new
-    contiguous `[T, I]` tensor in x's dtype. One program per (row, group)."""
+    contiguous `[T, I]` tensor in x's dtype. One program per row and GROUPS groups, GROUPS such
+    that a program holds about 2,048 channels: one program per narrow group (128 channels, the
+    Gated DeltaNet's value heads) left a thread per element and ran a prefill's norm at a seventh
+    of the copy bandwidth on an H200."""
     _check(x, z, weight, group_size)
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -73,10 +77,13 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group
         return out
     block = triton.next_power_of_2(group_size)
     assert block <= 65536, "group too wide for one program"
-    _gated_rms_norm_kernel[(T, I // group_size)](
-        x, z, weight, out, group_size, float(eps), x.stride(0), z.stride(0), out.stride(0),
-        NORM_BEFORE_GATE=bool(norm_before_gate), ROUND_BEFORE_WEIGHT=bool(round_before_weight), BLOCK=block,
-        num_warps=4 if block <= 2048 else 8 if block <= 8192 else 16, **pdl_args(x))
+    num_groups = I // group_size
+    groups = min(triton.next_power_of_2(num_groups), max(1, 2048 // block))
+    tile = groups * block
+    _gated_rms_norm_kernel[(T, triton.cdiv(num_groups, groups))](
+        x, z, weight, out, num_groups, group_size, float(eps), x.stride(0), z.stride(0), out.stride(0),
+        NORM_BEFORE_GATE=bool(norm_before_gate), ROUND_BEFORE_WEIGHT=bool(round_before_weight), GROUPS=groups,
+        BLOCK=block, num_warps=4 if tile <= 2048 else 8 if tile <= 8192 else 16, **pdl_args(x))
     return out
 
 

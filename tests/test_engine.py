@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from distengine import LLM, SamplingParams
-from tests.test_models import CONFIGS, HYBRIDS, build
+from tests.test_models import CONFIGS, GATED_DELTANET, HYBRIDS, build
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -66,11 +66,12 @@ def test_prefix_caching_preemption_and_chunking_change_nothing(qwen3):
         assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base], what
 
 
-@pytest.mark.parametrize("name", HYBRIDS)
+@pytest.mark.parametrize("name", HYBRIDS + GATED_DELTANET)
 def test_hybrid_prefix_hits_preemption_and_chunking_give_transformers_tokens(tmp_path_factory, ray_cluster, name):
-    """Mamba hybrids: a request sharing a prefix with an earlier one restores the cached states
-    (num_cached_tokens > 0) and produces transformers' tokens; so do no prefix caching, a pool
-    small enough to preempt, a token budget small enough to chunk prompts, and TP=2."""
+    """Mamba and Gated DeltaNet hybrids: a request sharing a prefix with an earlier one restores
+    the cached states (num_cached_tokens > 0) and produces transformers' tokens; so do no prefix
+    caching, a pool small enough to preempt, a token budget small enough to chunk prompts, and
+    TP=2."""
     hf, folder = _folder(tmp_path_factory, name)
     kw = dict(device="cpu", dtype="float32", max_model_len=256)
 

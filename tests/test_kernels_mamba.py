@@ -494,7 +494,7 @@ def test_against_transformers_torch_functions():
 
 @pytest.mark.parametrize("impl", [gated_rms_norm, gated_rms_norm_ref], ids=["triton", "torch"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("I,group_size", [(256, 256), (192, 64), (200, 40)])
+@pytest.mark.parametrize("I,group_size", [(256, 256), (192, 64), (200, 40), (2400, 24)])
 @pytest.mark.parametrize("norm_before_gate,round_before_weight", [(False, False), (True, False), (False, True)],
                          ids=["gate-norm", "norm-gate", "gate-norm-bamba"])
 def test_gated_rms_norm(impl, dtype, I, group_size, norm_before_gate, round_before_weight):

@@ -18,7 +18,8 @@ EXPECTED_KINDS = {
     "gemma-3-27b": {SLIDING: 52, FULL: 10}, "command-a": {SLIDING: 48, FULL: 16},
     "gpt-oss-20b": {SLIDING: 12, FULL: 12}, "gpt-oss-120b": {SLIDING: 18, FULL: 18},
     "llama-4-scout": {CHUNKED: 36, FULL: 12}, "jamba-mini": {MAMBA: 28, FULL: 4}, "bamba-9b": {MAMBA: 29, FULL: 3},
-    "granite-4.0-h-tiny": {MAMBA: 36, FULL: 4},
+    "granite-4.0-h-tiny": {MAMBA: 36, FULL: 4}, "qwen3.6-27b": {MAMBA: 48, FULL: 16},
+    "qwen3.6-35b-a3b": {MAMBA: 30, FULL: 10}, "qwen3-next-80b-a3b": {MAMBA: 36, FULL: 12},
 }
 
 
@@ -38,6 +39,21 @@ def test_every_builtin_is_there_and_plans():
         assert len({len(g.layers) for g in plan.groups}) == 1  # equal slots per group
         # Each layer sits in exactly one (group, slot) and each buffer slot is used once per group.
         assert len(plan.layer_slots) == len(m.layers)
+
+
+def test_gated_deltanet_state_is_a_state_of_the_plan():
+    """Qwen3.6-35B-A3B's Gated DeltaNet layers: conv 3 x (2 x 16 x 128 + 32 x 128) bf16 and the
+    recurrent state 32 x 128 x 128 fp32 per layer; planned as states beside attention, with hits
+    at a finer block than vLLM's layout (one page per state)."""
+    m = _parse("qwen3.6-35b-a3b")
+    state = [layer for layer in m.layers if layer.kind == MAMBA]
+    assert state[0].state_bytes(1, 2) == 3 * 8192 * 2 + 32 * 128 * 128 * 4 == 2_146_304
+    assert state[0].state_bytes(2, 2) == 3 * 4096 * 2 + 16 * 128 * 128 * 4
+    plan, vllm = make_plan(m), make_plan(m, state_pages=1)
+    assert plan.block_size * 3 <= vllm.block_size
+    assert plan.bytes_per_request(plan.max_model_len) <= vllm.bytes_per_request(plan.max_model_len)
+    with pytest.raises(ConfigError, match=r"Gated DeltaNet heads \(16 key, 32 value\) are not divisible by tp=32"):
+        make_plan(m, tp_size=32)
 
 
 def test_bamba_block_size_is_raised_to_hold_a_mamba_state():

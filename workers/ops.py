@@ -8,6 +8,7 @@ from kernels.activation import (gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_a
 from kernels.kv_store import store_kv, store_kv_ref
 from kernels.gated_rmsnorm import gated_rms_norm, gated_rms_norm_ref
 from kernels.fused_moe import fused_experts, fused_experts_ref
+from kernels.gated_delta import gated_delta_update, gated_delta_update_ref, gated_delta_varlen, gated_delta_varlen_ref
 from kernels.gemv import SKINNY_MAX_ROWS, gemv, skinny_gemm
 from kernels.layernorm import rms_norm, rms_norm_ref
 from kernels.mamba_conv import (causal_conv1d_update, causal_conv1d_update_ref, causal_conv1d_varlen,
@@ -35,6 +36,8 @@ causal_conv1d_update_op = _pick(causal_conv1d_update, causal_conv1d_update_ref)
 ssd_scan_varlen_op = _pick(ssd_scan_varlen, ssd_scan_varlen_ref)
 selective_state_update_op = _pick(selective_state_update, selective_state_update_ref)
 gated_rms_norm_op = _pick(gated_rms_norm, gated_rms_norm_ref)
+gated_delta_varlen_op = _pick(gated_delta_varlen, gated_delta_varlen_ref)
+gated_delta_update_op = _pick(gated_delta_update, gated_delta_update_ref)
 fused_experts_op = _pick(fused_experts, fused_experts_ref)
 topk_softmax_op = _pick(topk_softmax, topk_softmax_ref)
 swiglu_oai_op = _pick(swiglu_oai_and_mul, swiglu_oai_and_mul_ref)
@@ -67,5 +70,6 @@ def act_and_mul(name: str):
 
 __all__ = ["linear_op", "rms_norm_op", "rotary_op", "store_kv_op", "paged_attention_op", "qk_norm_rope_op",
            "act_and_mul", "causal_conv1d_varlen_op", "causal_conv1d_update_op", "ssd_scan_varlen_op",
-           "selective_state_update_op", "gated_rms_norm_op", "fused_experts_op", "topk_softmax_op", "swiglu_oai_op",
+           "selective_state_update_op", "gated_rms_norm_op", "gated_delta_varlen_op", "gated_delta_update_op",
+           "fused_experts_op", "topk_softmax_op", "swiglu_oai_op",
            "torch"]

@@ -42,6 +42,11 @@ SHAPES = {
     # Sliding-window (128) and full layers alternating, attention sinks, 32 experts (4 per token),
     # in bf16 (the published checkpoint's experts are MXFP4).
     "gpt-oss-20b": ("gpt_oss", ("gpt-oss-20b", {})),
+    # Gated DeltaNet hybrids (3 linear-attention : 1 gated attention layer), the text models of the
+    # published checkpoints: the largest dense one that fits one H200 in bf16, and the MoE one
+    # (256 experts, 8 per token, beside a shared expert).
+    "qwen3.6-27b": ("qwen3_5_text", ("qwen3.6-27b", {})),
+    "qwen3.6-35b-a3b": ("qwen3_5_moe_text", ("qwen3.6-35b-a3b", {})),
     # For tests on CPU.
     "tiny": ("gemma3_text", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
                                  num_key_value_heads=2, head_dim=16, sliding_window=16, vocab_size=512, **_GEMMA3)),
@@ -67,6 +72,7 @@ def shape_config(shape: str):
         from distengine.model_config import CONFIG_DIR
         name, changes = fields
         fields = json.loads((CONFIG_DIR / f"{name}.json").read_text())
+        fields = fields.get("text_config", fields)  # a multimodal checkpoint's language model
         fields = {k: v for k, v in fields.items() if k not in ("model_type", "architectures", "torch_dtype")}
         fields.update(changes)
     return AutoConfig.for_model(model_type, **fields)

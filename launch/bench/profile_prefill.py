@@ -19,7 +19,7 @@ from distengine import LLM, SamplingParams
 from distengine.hf_config import load_hf_config, resolve_model_path
 from distengine.scheduler import EngineRequest
 from kernels.bench.roofline import matmul_rate
-from launch.bench.common import random_prompts
+from launch.bench.common import random_prompts, roofline_of
 from launch.bench.profile_decode import device_us
 
 KINDS = (("matrix products", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "_skinny", "_gemv")),
@@ -27,7 +27,9 @@ KINDS = (("matrix products", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas",
          ("norms", ("rmsnorm", "rms_norm", "layernorm")),
          ("rotary / q-k norm", ("rope", "rotary")),
          ("activations", ("silu", "gelu", "act_and_mul")),
-         ("KV store", ("kv_store", "store_kv", "reshape_and_cache")))
+         ("KV store", ("kv_store", "store_kv", "reshape_and_cache")),
+         ("state mixers", ("_gdn", "gated_delta", "_ssd", "_conv_", "state_update", "mamba")),
+         ("expert routing", ("moe", "topk")))
 
 
 def kind_of(name: str) -> str:
@@ -52,10 +54,11 @@ def main() -> int:
         n = tokens * (steps + timed + 2) // args.input_len
         with LLM(args.model, load_format=args.load_format, max_model_len=args.input_len + 8,
                  max_num_batched_tokens=tokens, max_num_seqs=max(n, 1)) as llm:
+            # The products of a prefill token: every weight but the embedding table and the LM head
+            # (it runs on each prompt's last token only); of routed experts, the k of E a token uses.
+            rf = roofline_of(llm, bandwidth=1.0, matmul=rate)
             hf = load_hf_config(resolve_model_path(args.model)).get_text_config()
-            # The products of a prefill token: every weight but the embedding table (the LM head
-            # runs on each prompt's last token only).
-            params = llm.info.memory[0].weight_bytes // 2 - hf.vocab_size * hf.hidden_size
+            params = rf.num_params - hf.vocab_size * hf.hidden_size
             core = llm.engine
             prompts = random_prompts(llm.info.vocab_size, n, args.input_len, tokens)
             for i, pr in enumerate(prompts):
@@ -79,7 +82,8 @@ def main() -> int:
                 by_kind[kind_of(e.key)] = by_kind.get(kind_of(e.key), 0.0) + device_us(e) / steps / 1e3
             flops = 2 * params * tokens
             print(f"\n{tokens} prefill tokens per step: step {plain * 1e3:.1f} ms (no profiler), device busy "
-                  f"{busy:.1f} ms; products floor {flops / rate * 1e3:.1f} ms at the measured rate")
+                  f"{busy:.1f} ms; products floor {flops / rate * 1e3:.1f} ms at the measured rate "
+                  f"({plain / (flops / rate):.2f}x)")
             for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
                 extra = f"  ({flops / (ms / 1e3) / 1e12:.0f} TFLOP/s)" if kind == "matrix products" else ""
                 print(f"  {kind:18} {ms:7.2f} ms{extra}")

@@ -16,10 +16,10 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
+from distengine.inputs import check_message_content
 from distengine.limits import MAX_MESSAGES, MAX_PROMPTS_PER_REQUEST, MAX_TOKEN_IDS, bad_text
 from distengine.sampling_params import SamplingParams
 
@@ -159,21 +159,25 @@ class CompletionRequest(_Sampling):
         return [x if isinstance(x, str) else {"prompt_token_ids": list(x)} for x in p]
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessage(Body):
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[dict] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, value):
+        try:
+            check_message_content(value, "content")
+        except TypeError as e:  # pydantic reports only ValueError as a validation error
+            raise ValueError(str(e)) from None
+        return value
 
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part["text"] for part in self.content)
 
 
 class ChatCompletionRequest(_Sampling):

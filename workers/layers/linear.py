@@ -76,38 +76,54 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 class QKVParallelLinear(ColumnParallelLinear):
     """Q, K and V projections in one matrix: query heads split across ranks, KV heads split or,
-    when tp exceeds them, replicated (ranks r*tp/heads .. share head r)."""
+    when tp exceeds them, replicated (ranks r*tp/heads .. share head r).
+
+    `q_gate` (Qwen3-Next's gated attention): the checkpoint's q_proj gives each head [query |
+    gate]; a rank's rows are laid out [its queries | its gates], so that the query and the gate
+    are each one slice of the output (`split` returns the gates as a fourth part)."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, tp: TPGroup,
-                 dtype: torch.dtype, device: torch.device, name: str = "") -> None:
+                 dtype: torch.dtype, device: torch.device, name: str = "", q_gate: bool = False) -> None:
         q_start, q_heads = split_evenly(num_heads, tp, f"{name} query heads")
         kv_start, kv_heads = kv_head_share(num_kv_heads, tp)
         self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads, num_kv_heads
         self.q_start, self.q_heads, self.kv_start, self.kv_heads = q_start, q_heads, kv_start, kv_heads
+        self.q_parts = 2 if q_gate else 1  # rows per query head, in head_dim units
         nn.Module.__init__(self)
         self.tp, self.name, self.in_features = tp, name, hidden
-        self.out_features = (num_heads + 2 * num_kv_heads) * head_dim
-        size = (q_heads + 2 * kv_heads) * head_dim
+        self.out_features = (self.q_parts * num_heads + 2 * num_kv_heads) * head_dim
+        size = (self.q_parts * q_heads + 2 * kv_heads) * head_dim
         self.weight = nn.Parameter(torch.empty(size, hidden, dtype=dtype, device=device), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(size, dtype=dtype, device=device), requires_grad=False) if bias else None
 
     def part_shapes(self, shard: str) -> tuple[int, ...]:
-        heads = self.num_heads if shard == "q" else self.num_kv_heads
+        heads = self.q_parts * self.num_heads if shard == "q" else self.num_kv_heads
         return (heads * self.head_dim, self.in_features)
 
     def weight_loader(self, param, full, shard=None):
         d = self.head_dim
+        q_rows = self.q_parts * self.q_heads
         heads, start, count, offset = {
-            "q": (self.num_heads, self.q_start, self.q_heads, 0),
-            "k": (self.num_kv_heads, self.kv_start, self.kv_heads, self.q_heads),
-            "v": (self.num_kv_heads, self.kv_start, self.kv_heads, self.q_heads + self.kv_heads),
+            "q": (self.q_parts * self.num_heads, self.q_start, self.q_heads, 0),
+            "k": (self.num_kv_heads, self.kv_start, self.kv_heads, q_rows),
+            "v": (self.num_kv_heads, self.kv_start, self.kv_heads, q_rows + self.kv_heads),
         }[shard]
         _check_shape(f"{self.name}[{shard}]", full.shape, (heads * d,) + tuple(param.shape[1:]))
+        if shard == "q" and self.q_parts == 2:
+            # [query | gate] per head in the checkpoint -> [queries | gates] on this rank.
+            mine = full.unflatten(0, (self.num_heads, 2, d)).narrow(0, start, count)
+            param.data.narrow(0, 0, 2 * count * d).copy_(mine.transpose(0, 1).flatten(0, 2))
+            return
         param.data.narrow(0, offset * d, count * d).copy_(full.narrow(0, start * d, count * d))
 
-    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def split(self, qkv: torch.Tensor):
+        """(q, k, v), or (q, k, v, gate) with `q_gate`."""
         d = self.head_dim
-        return qkv.split([self.q_heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        n = self.q_heads * d
+        if self.q_parts == 2:
+            q, gate, k, v = qkv.split([n, n, self.kv_heads * d, self.kv_heads * d], dim=-1)
+            return q, k, v, gate
+        return qkv.split([n, self.kv_heads * d, self.kv_heads * d], dim=-1)
 
 
 class RowParallelLinear(_ParallelLinear):

@@ -24,6 +24,12 @@ MODEL_REGISTRY: dict[str, str] = {
     "FalconH1ForCausalLM": "workers.models.falcon_h1:FalconH1ForCausalLM",
     "GraniteMoeHybridForCausalLM": "workers.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
     "GptOssForCausalLM": "workers.models.gpt_oss:GptOssForCausalLM",
+    "Qwen3NextForCausalLM": "workers.models.qwen3_next:Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM": "workers.models.qwen3_5:Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM": "workers.models.qwen3_5:Qwen3_5MoeForCausalLM",
+    # The multimodal checkpoints: we serve their text part (the vision tower's weights are not read).
+    "Qwen3_5ForConditionalGeneration": "workers.models.qwen3_5:Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "workers.models.qwen3_5:Qwen3_5MoeForCausalLM",
 }
 
 

@@ -1,5 +1,6 @@
-"""The decoder of the hybrid models (Bamba, Falcon-H1, Granite-4.0-H, Nemotron-H): each layer a
-norm, the mixer its kind names, then (in most families) a norm and a feed-forward.
+"""The decoder of the hybrid models (Bamba, Falcon-H1, Granite-4.0-H, Nemotron-H, Qwen3-Next,
+Qwen3.5): each layer a norm, the mixer its kind names, then (in most families) a norm and a
+feed-forward.
 
 The kind of every layer comes from the model description (`decoder_layer_kinds`), never from the
 model's name; the Mamba shape through the same parser as the KV cache plan's, so the state each
@@ -10,7 +11,8 @@ parameters and hooks:
   the parts, the attention and MLP classes, the feed-forward (`build_feed_forward` /
   `run_feed_forward`, Granite's experts beside its shared MLP);
 * on its model (`HybridForCausalLM`): the Mamba mixer's options (`mixer_options`, or `mixer` for
-  another mixer), the norms' eps, the rotary caches, the names of the embedding and the final
+  another mixer: the Gated DeltaNet of the LINEAR layers), the norms' eps and form (`gemma_norm`:
+  zero-centred, x * (1 + weight)), the rotary caches, the names of the embedding and the final
   norm (`HybridModel.named`), and other spellings of checkpoint names (`our_name` / `spellings`).
 
 muP-style multipliers are read under transformers' names wherever a config sets them (Falcon-H1,
@@ -21,8 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from distengine.model_config import (CHUNKED, CROSS, FULL, MAMBA, MLP, MOE, PARALLEL, SLIDING, MambaShape,
-                                     mamba_layer_name, parse_model_config)
+from distengine.model_config import (CHUNKED, CROSS, FULL, LINEAR, MAMBA, MLP, MOE, PARALLEL, SLIDING,
+                                     DeltaNetShape, MambaShape, mamba_layer_name, parse_model_config)
 from workers.layers.attention import AttentionMetadata
 from workers.layers.mamba import MambaMixer2
 from workers.models.llama import DecoderModel, LlamaAttention, LlamaForCausalLM, LlamaMLP, RMSNorm, layer_kinds
@@ -31,6 +33,7 @@ from workers.parallel import TPGroup
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 ATTENTION = frozenset({FULL, SLIDING, CHUNKED, CROSS})  # the layer kinds that are an attention
 FEED_FORWARD = (MLP, MOE)  # the layer kinds whose mixer is a feed-forward
+STATE_MIXERS = (MAMBA, LINEAR)  # the kinds whose mixer is the model's state mixer (`mixer`) alone
 
 
 def multiplier(config, name: str) -> float:
@@ -38,9 +41,9 @@ def multiplier(config, name: str) -> float:
     return 1.0 if value is None else float(value)
 
 
-def mamba_shape(config, dtype: torch.dtype) -> MambaShape:
-    """The Mamba shape the KV cache plan reads from this config (with the cache's dtype, which
-    decides whether a separate SSM state dtype applies)."""
+def mamba_shape(config, dtype: torch.dtype) -> MambaShape | DeltaNetShape:
+    """The state shape (Mamba's, or the Gated DeltaNet's) the KV cache plan reads from this config
+    (with the cache's dtype, which decides whether a separate SSM state dtype applies)."""
     d = config.to_dict()
     d.setdefault("max_position_embeddings", 1 << 20)
     layers = parse_model_config(d, kv_cache_dtype=DTYPE_NAMES.get(dtype, "bfloat16")).layers
@@ -51,9 +54,10 @@ class HybridDecoderLayer(nn.Module):
     """norm -> mixer -> norm -> feed-forward, each output joining the residual stream in the fused
     add of the norm after it (the next layer's input norm, or the final norm).
 
-    The mixer by kind: MAMBA the model's Mamba mixer, an attention kind the attention, PARALLEL
-    both on the same normed input with their outputs summed (Falcon-H1), MLP / MOE a feed-forward
-    (`build_feed_forward`, which looks at `self.kind` where the two differ). Families without the
+    The mixer by kind: MAMBA the model's Mamba mixer, LINEAR its Gated DeltaNet (the same hook
+    builds either), an attention kind the attention, PARALLEL both on the same normed input with
+    their outputs summed (Falcon-H1), MLP / MOE a feed-forward (`build_feed_forward`, which looks
+    at `self.kind` where the two differ). Families without the
     second half (`ff_norm_name` None: Nemotron-H's single-mixer blocks) end the layer after the
     mixer.
 
@@ -67,16 +71,18 @@ class HybridDecoderLayer(nn.Module):
     ff_name = "feed_forward"
     attention_cls = LlamaAttention
     mlp_cls = LlamaMLP
+    gemma_norm = False  # the layer norms scale by (1 + weight) (Qwen3-Next's zero-centred norms)
 
     def __init__(self, model: HybridForCausalLM, config, i: int, kind: str, tp: TPGroup, dtype, device,
                  rope_cache: torch.Tensor | None) -> None:
         super().__init__()
         prefix = f"model.layers.{i}"
         self.index, self.kind, self.tp = i, kind, tp
-        setattr(self, self.norm_name, RMSNorm(config.hidden_size, model.eps, dtype, device))
+        setattr(self, self.norm_name, RMSNorm(config.hidden_size, model.eps, dtype, device, gemma=self.gemma_norm))
         if self.ff_norm_name is not None:
-            setattr(self, self.ff_norm_name, RMSNorm(config.hidden_size, model.eps, dtype, device))
-        if kind in (MAMBA, PARALLEL):
+            setattr(self, self.ff_norm_name,
+                    RMSNorm(config.hidden_size, model.eps, dtype, device, gemma=self.gemma_norm))
+        if kind in (*STATE_MIXERS, PARALLEL):
             setattr(self, self.mamba_name, model.mixer(config, tp, dtype, device, f"{prefix}.{self.mamba_name}"))
         if self.has_attention:
             setattr(self, self.attention_name, self.attention_cls(config, i, kind, tp, dtype, device,
@@ -107,7 +113,7 @@ class HybridDecoderLayer(nn.Module):
         return getattr(self, self.attention_name)(positions, h, meta)
 
     def mix(self, positions: torch.Tensor, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        if self.kind == MAMBA:
+        if self.kind in STATE_MIXERS:
             return self.run_mamba(h, meta)
         if self.kind in FEED_FORWARD:
             return self.run_feed_forward(h)
@@ -136,7 +142,7 @@ class HybridDecoderLayer(nn.Module):
         out: dict[str, nn.Module] = {}
         if self.has_attention:
             out[f"model.layers.{self.index}"] = getattr(self, self.attention_name).attn
-        if self.kind in (MAMBA, PARALLEL):
+        if self.kind in (*STATE_MIXERS, PARALLEL):
             out[mamba_layer_name(self.index, self.kind)] = getattr(self, self.mamba_name)
         return out
 
@@ -191,7 +197,7 @@ class HybridForCausalLM(LlamaForCausalLM):
         return self.decoder_layer_cls(self, config, i, kind, tp, dtype, device, rope_cache)
 
     def final_norm(self, config, dtype, device) -> nn.Module:
-        return RMSNorm(config.hidden_size, self.eps, dtype, device)
+        return RMSNorm(config.hidden_size, self.eps, dtype, device, gemma=self.decoder_layer_cls.gemma_norm)
 
     def mixer(self, config, tp, dtype, device, prefix: str) -> nn.Module:
         return MambaMixer2(config.hidden_size, self.shape, tp, dtype, device, prefix, **self.mixer_options(config))

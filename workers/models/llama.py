@@ -64,6 +64,9 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     qkv_bias = False
     qk_norm = False
+    # q_proj gives each head [query | gate] and the attention output is scaled by sigmoid(gate)
+    # before o_proj (Qwen3-Next, Qwen3.5).
+    output_gate = False
 
     def __init__(self, config, layer_idx: int, kind: str, tp: TPGroup, dtype, device, prefix: str,
                  rope_cache: torch.Tensor | None) -> None:
@@ -72,7 +75,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, heads, kv_heads, bias, tp, dtype, device,
-                                          f"{prefix}.qkv_proj")
+                                          f"{prefix}.qkv_proj", q_gate=self.output_gate)
         self.o_proj = RowParallelLinear(heads * self.head_dim, config.hidden_size,
                                         bool(getattr(config, "attention_bias", False)) and not self.qkv_bias,
                                         tp, dtype, device, f"{prefix}.o_proj")
@@ -97,7 +100,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q, k, v, *gate = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(n, -1, self.head_dim)
         k = k.view(n, -1, self.head_dim)
         if self.qk_norm and self.rope_cache is not None and self.rope_cache.shape[1] == self.head_dim:
@@ -109,7 +112,10 @@ class LlamaAttention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             if self.rope_cache is not None:
                 q, k = rotary_op(q, k, positions, self.rope_cache)
-        return self.o_proj(self.attn(q, k, v, meta))
+        out = self.attn(q, k, v, meta)
+        if gate:
+            out = out * torch.sigmoid(gate[0])
+        return self.o_proj(out)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -56,10 +56,10 @@ fi
 
 if [ "$mode" = tp2-tests ]; then
   # The all-reduce kernel's simulated ranks and gloo / NCCL / NVLink TP=2 against transformers for every
-  # architecture, then eight graph tests on Ray (four models, NCCL and the NVLink all-reduce).
-  timeout 120 python3 -m pytest -o addopts= -q -p no:cacheprovider tests/test_allreduce_kernel.py \
+  # architecture, then ten graph tests on Ray (five models, NCCL and the NVLink all-reduce).
+  timeout 200 python3 -m pytest -o addopts= -v -p no:cacheprovider tests/test_allreduce_kernel.py \
       tests/test_tensor_parallel.py > "$OUT/pytest_tp2.log" 2>&1; echo "pytest exit $?" >> "$OUT/pytest_tp2.log"
-  timeout 420 python3 -m pytest -o addopts= -v -p no:cacheprovider tests/test_cuda_graphs.py -k tp2 \
+  timeout 330 python3 -m pytest -o addopts= -v -p no:cacheprovider tests/test_cuda_graphs.py -k tp2 \
       >> "$OUT/pytest_tp2.log" 2>&1; echo "pytest exit $?" >> "$OUT/pytest_tp2.log"
   grep -E "PASS|FAIL|SKIP|ERROR|exit|passed|failed" "$OUT/pytest_tp2.log"
 fi

@@ -1,0 +1,499 @@
+"""Gated DeltaNet (the linear-attention layers of Qwen3-Next / Qwen3.5) over the paged recurrent
+state: a chunked prefill over a ragged batch (`gated_delta_varlen`, checkpoints written after the
+chunks that carry a page) and the decode step in place in the pool (`gated_delta_update`).
+
+Math, per value head h (key head h // (Hv // Hk)), state S [K, V] (fp32), per token t:
+    beta_t = sigmoid(b_t)                      (rounded to b's dtype, as transformers)
+    g_t    = -exp(A_log) * softplus(a_t + dt_bias)            (fp32)
+    q_t, k_t L2-normalised in fp32 (x * rsqrt(sum(x^2) + 1e-6)), q_t scaled by K^-0.5
+    S   = exp(g_t) S ;  delta = beta_t (v_t - k_t S) ;  S = S + k_t^T delta ;  o_t = q_t S
+
+Chunked form (transformers' torch_chunk_gated_delta_rule), chunk of L tokens, G_i = g_0 + ... + g_i:
+    A   = strictly-lower(beta_i k_i.k_j exp(G_i - G_j))        T = (I + A)^-1 (unit lower)
+    v_new = T (beta v) - T (beta k exp(G)) S  =  T (beta (v - exp(G) (k S)))
+    o   = exp(G) (q S) + (q k^T exp(G_i - G_j), lower incl. the diagonal) v_new
+    S'  = exp(G_L) S + (k exp(G_L - G))^T v_new
+Every exponent is <= 0 (g <= 0), so nothing overflows however strong the decay. The kernel uses
+the right-hand form of v_new: T is applied to one [L, BLOCK_V] right-hand side instead of
+forming w = T (beta k exp(G)) [L, K] (L^2 K more multiply-adds per program).
+
+Prefill kernel: one program per (sequence, value head, block of BLOCK_V state columns) walks that
+sequence's host chunks in order with its [K, BLOCK_V] state in fp32 registers, as
+kernels/mamba_ssd.py (why one fused kernel rather than FLA's six: no per-chunk states, w, u or
+v_new in global memory; checkpoints written by the program that owns the columns, so an init page
+that is also a write page has no race; host-chosen chunk ends cost nothing special). Per chunk:
+the products k k^T, q k^T, k S, q S, P v_new, k^T v_new are `tl.dot`s on [64, .] tiles; A, the
+solve and q k^T do not depend on the state columns and are recomputed by each of the V/BLOCK_V
+programs of a head (the price of the fusion: at K = V = 128, the two programs of BLOCK_V = 64
+of a head issue ~17% more products than one program of the whole head would, four of 32 ~50%).
+
+The triangular solve (x = T rhs, L = 64) is blocked in 16-row blocks, all on tensor cores:
+1. the four 16x16 diagonal blocks D_ii of A, as a [4, 16, 16] tensor, are inverted by recursive
+   doubling: (I + D)^-1 of a 2w block is [[X1, 0], [-X2 D21 X1, X2]] from the inverses of its two
+   w blocks, w = 1, 2, 4, 8; batched 16x16 `tl.dot`s. This is the recursive triangular inverse,
+   as stable as forward substitution (every product is a block of the true inverse), unlike the
+   Neumann product (I - D)(I + D^2)(I + D^4)(I + D^8), whose powers grow like binomial
+   coefficients when keys are correlated and then cancel;
+2. with Dinv = blockdiag((I + D_ii)^-1), E = the strictly block-lower part of A, N = Dinv E and
+   c = Dinv rhs, the system (I + A) x = rhs is x = c - N x: iterated from x = c it is block
+   forward substitution (N is nilpotent, block i is exact after i steps), so ceil(len/16) - 1
+   [64, 64] x [64, BLOCK_V] products. Row-by-row forward substitution would be 63 sequential
+   steps of cross-warp reductions per chunk; forming T by doubling up to 64 costs ~10 [64]^3
+   products.
+FLA solves the same system in separate kernels (16x16 forward substitution, then merging the
+inverses with products): the same blocking, here kept in registers.
+
+Numerics (as FLA's kernels, which transformers runs on GPUs when they are installed): q and k normalised in fp32, then, for 16-bit
+inputs, the dot operands in the activation dtype (q, k, the state entering k S and q S, the
+decayed q k^T, v_new, the decayed k), fp32 accumulation, fp32 state between chunks; the solve
+(the block inverses, N, c and the iteration) in TF32 for 16-bit inputs (FLA's default is IEEE
+fp32 for its merge; TF32 keeps it on tensor cores at ~5e-4 relative, below the bf16 rounding of
+the operands around it); fp32 inputs multiply in `ieee` fp32 everywhere (tests against
+transformers' fp32 math). The decays exp(G_i - G_j) and exp(G_L - G_j) are exponentials of sums
+over their own segments (a cumulative sum down the columns of the masked [64, 64] g, and a
+reversed cumulative sum of the next tokens' g), not differences of prefix sums as transformers
+and FLA compute them: with a strong decay (A = 16, g ~ -15 a token) G reaches -1000 within a
+chunk, and its differences lose ~1e-4 of the exponents that still matter (those of nearby
+tokens); g <= 0, so a segment sum is accurate relative to itself. exp(G_i) itself is taken from
+the prefix sum (its absolute error only matters while exp(G_i) is not negligible).
+
+Decode kernel: one program per (sequence, value head, block of BLOCK_V columns) reads its
+[K, BLOCK_V] columns of the state once and writes them once (each written element depends on the
+element read at the same address by the same program: an in-place update has no race); q, k
+(K elements) are loaded and normalised by every program of the head. CUDA-graph capturable (no
+host syncs, the grid depends only on S) and takes PDL like mamba_state_update.py.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.mamba_conv import _gather_pages
+from kernels.mamba_ssd import _dot_operand, _first_ge, _num_sms
+from kernels.pdl import pdl_args, pdl_wait
+
+__all__ = ["GDN_MAX_CHUNK", "decode_config", "default_config", "gated_delta_update", "gated_delta_update_ref", "gated_delta_varlen",
+           "gated_delta_varlen_ref"]
+
+# The compute chunk is the host's chunk (1..GDN_MAX_CHUNK tokens, masked in a 64-row tile), the
+# same partition as the Mamba path. 64: the row count of a Hopper wgmma tile and FLA's chunk size;
+# 128 would double the quadratic part (k k^T, q k^T, the solve: L (K + V) per token) and not fit
+# in registers, 32 would double the sequential chunk steps and put every product on mma.sync.
+GDN_MAX_CHUNK = 64
+_SUB = 16  # the solve's block (the smallest tl.dot dimension)
+_EPS = 1e-6  # transformers' / FLA's l2norm eps
+
+
+@triton.jit
+def _softplus(x):
+    # torch's softplus (threshold 20)
+    return tl.where(x <= 20.0, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))), x)
+
+
+@triton.jit
+def _beta(b, DTYPE: tl.constexpr):
+    """sigmoid(b) in fp32, rounded to b's dtype (transformers computes b.sigmoid() in it)."""
+    return (1.0 / (1.0 + tl.exp(-b))).to(DTYPE).to(tl.float32)
+
+
+# The batch shape changes every step: no specialisation on these values (== 1, divisible by 16).
+@triton.jit(do_not_specialize=["num_chunks"])
+def _gdn_varlen_kernel(
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, out_ptr, state_ptr,
+    qsl_ptr, init_ptr, cstart_ptr, cpage_ptr,
+    num_chunks, K, V, v_per_k, scale,
+    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sa_t, sb_t, so_t, so_h, st_page, st_h, st_k,
+    BLOCK_L: tl.constexpr, SUB: tl.constexpr, LOG2_SUB: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, SOLVE_PRECISION: tl.constexpr,
+):
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_start = tl.load(qsl_ptr + s)
+    seq_end = tl.load(qsl_ptr + s + 1)
+    if seq_start >= seq_end:
+        return
+    hk = h // v_per_k
+    DT: tl.constexpr = v_ptr.dtype.element_ty
+    kk = tl.arange(0, BLOCK_K)
+    vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    l = tl.arange(0, BLOCK_L)
+    km = kk < K
+    vm = vv < V
+    st_off = kk[:, None] * st_k + vv[None, :]  # inside the head's [K, V] block of a page
+    st_mask = km[:, None] & vm[None, :]
+
+    page = tl.load(init_ptr + s).to(tl.int64)
+    ok = st_mask & (tl.zeros(st_mask.shape, tl.int64) + page > 0)  # (the interpreter rejects mask & scalar)
+    state = tl.load(state_ptr + page * st_page + h * st_h + st_off, mask=ok, other=0.0).to(tl.float32)
+    neg_A = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+    dt_b = tl.load(dtb_ptr + h).to(tl.float32)
+
+    causal = l[:, None] >= l[None, :]
+    strict = l[:, None] > l[None, :]
+    blk = l // SUB
+    block_lower = blk[:, None] > blk[None, :]
+    NB: tl.constexpr = BLOCK_L // SUB
+    bi = tl.arange(0, NB)
+    diag_sel = bi[:, None, None, None] == bi[None, None, :, None]  # A as [NB, SUB, NB, SUB]: its diagonal blocks
+    r = tl.arange(0, SUB)
+    ri = r[None, :, None]
+    rj = r[None, None, :]
+    eye = tl.where(ri == rj, 1.0, 0.0) + tl.zeros([NB, SUB, SUB], tl.float32)
+
+    c_begin = _first_ge(cstart_ptr, num_chunks, seq_start)
+    c_end = _first_ge(cstart_ptr, num_chunks, seq_end)
+    for c in range(c_begin, c_end):
+        t0 = tl.load(cstart_ptr + c)
+        n = tl.load(cstart_ptr + c + 1) - t0
+        lm = l < n
+        t0l = t0.to(tl.int64)
+        qk_mask = lm[:, None] & km[None, :]
+        q = tl.load(q_ptr + t0l * sq_t + hk * sq_h + l[:, None] * sq_t + kk[None, :], mask=qk_mask,
+                    other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + t0l * sk_t + hk * sk_h + l[:, None] * sk_t + kk[None, :], mask=qk_mask,
+                    other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + t0l * sv_t + h * sv_h + l[:, None] * sv_t + vv[None, :], mask=lm[:, None] & vm[None, :],
+                    other=0.0).to(tl.float32)
+        a_c = a_ptr + t0l * sa_t + h
+        a = tl.load(a_c + l * sa_t, mask=lm, other=0.0).to(tl.float32)
+        a_next = tl.load(a_c + (l + 1) * sa_t, mask=l + 1 < n, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + t0l * sb_t + h + l * sb_t, mask=lm, other=0.0).to(tl.float32)
+        q = q * (tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6) * scale)[:, None]
+        k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
+        # padding rows: no decay (G stays at G_L), no update (beta = 0, k = 0)
+        g = tl.where(lm, neg_A * _softplus(a + dt_b), 0.0)
+        g_next = tl.where(l + 1 < n, neg_A * _softplus(a_next + dt_b), 0.0)
+        beta = tl.where(lm, _beta(b, b_ptr.dtype.element_ty), 0.0)
+        G = tl.cumsum(g, axis=0)
+        GL = tl.sum(g, axis=0)
+        # The decays as sums over their own segments, not differences of prefix sums: with a
+        # strong decay G reaches -1000 within a chunk and G_i - G_j would lose ~1e-4 of the
+        # exponents that matter (those of nearby tokens). g <= 0: each sum is accurate relative
+        # to itself. seg[i, j] = g_{j+1} + ... + g_i (0 on and above the diagonal); to_end[j] =
+        # g_{j+1} + ... + g_L (the sum of the following tokens' g, from the shifted load).
+        seg = tl.cumsum(tl.where(strict, g[:, None], 0.0), axis=0)
+        decay = tl.where(causal, tl.exp(seg), 0.0)
+        to_end = tl.cumsum(g_next, axis=0, reverse=True)
+        # Ordered so that few [64, .] tiles are alive at once (the program is at the register
+        # limit): k and q are consumed into their dot operands first, the decays into A and P.
+        kd = _dot_operand(k, DT, DOT_F32)
+        kw = _dot_operand(k * tl.exp(to_end)[:, None], DT, DOT_F32)  # k decayed to the chunk's end
+        qd = _dot_operand(q, DT, DOT_F32)
+        P = _dot_operand(tl.dot(qd, tl.trans(kd), input_precision=PRECISION) * decay, DT, DOT_F32)
+        kkt = tl.dot(kd, tl.trans(kd), input_precision=PRECISION)
+        A = tl.where(strict, kkt * decay, 0.0) * beta[:, None]
+
+        # state-independent: the blocks of the solve
+        Ad = tl.sum(tl.where(diag_sel, tl.reshape(A, (NB, SUB, NB, SUB)), 0.0), axis=2)  # [NB, SUB, SUB]
+        Dinv = eye - tl.where(ri // 2 == rj // 2, Ad, 0.0)  # the inverses of the 2x2 blocks
+        for lvl in tl.static_range(1, LOG2_SUB):
+            # the lower off-diagonal w x w block of each 2w block (w = 2^lvl): X21 = -X22 D21 X11
+            E = tl.where(((ri >> (lvl + 1)) == (rj >> (lvl + 1))) & ((ri >> lvl) != (rj >> lvl)), Ad, 0.0)
+            Dinv = Dinv - tl.dot(Dinv, tl.dot(E, Dinv, input_precision=SOLVE_PRECISION),
+                                 input_precision=SOLVE_PRECISION)
+        E = tl.reshape(tl.where(block_lower, A, 0.0), (NB, SUB, BLOCK_L))
+        Nm = tl.reshape(tl.dot(Dinv, E, input_precision=SOLVE_PRECISION), (BLOCK_L, BLOCK_L))
+
+        # the state entering the chunk: read by q (decayed to each position) and by k
+        eG = tl.exp(G)
+        Sd = _dot_operand(state, DT, DOT_F32)
+        o_in = tl.dot(qd, Sd, input_precision=PRECISION) * eG[:, None]
+        kS = tl.dot(kd, Sd, input_precision=PRECISION)
+        # v_new = (I + A)^-1 (beta (v - exp(G) k S))
+        rhs = tl.reshape(beta[:, None] * (v - eG[:, None] * kS), (NB, SUB, BLOCK_V))
+        cvec = tl.reshape(tl.dot(Dinv, rhs, input_precision=SOLVE_PRECISION), (BLOCK_L, BLOCK_V))
+        x = cvec
+        for _ in range(1, (n + SUB - 1) // SUB):
+            x = cvec - tl.dot(Nm, x, input_precision=SOLVE_PRECISION)
+        xd = _dot_operand(x, DT, DOT_F32)
+
+        # outputs: the state entering the chunk plus the intra-chunk part
+        o = tl.dot(P, xd, o_in, input_precision=PRECISION)
+        tl.store(out_ptr + t0l * so_t + h * so_h + l[:, None] * so_t + vv[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=lm[:, None] & vm[None, :])
+
+        # the state after the chunk
+        state = tl.dot(tl.trans(kw), xd, state * tl.exp(GL), input_precision=PRECISION)
+        wpage = tl.load(cpage_ptr + c).to(tl.int64)
+        if wpage > 0:
+            tl.store(state_ptr + wpage * st_page + h * st_h + st_off, state, mask=st_mask)
+
+
+@triton.jit
+def _gdn_update_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, out_ptr, state_ptr, init_ptr, write_ptr,
+                       K, V, v_per_k, scale,
+                       sq_s, sq_h, sk_s, sk_h, sv_s, sv_h, sa_s, sb_s, so_s, so_h, st_page, st_h, st_k,
+                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
+    s = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    hk = h // v_per_k
+    kk = tl.arange(0, BLOCK_K)
+    vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    km = kk < K
+    vm = vv < V
+    m2 = km[:, None] & vm[None, :]
+    src = tl.load(init_ptr + s).to(tl.int64)
+    dst = tl.load(write_ptr + s).to(tl.int64)
+    st_off = h * st_h + kk[:, None] * st_k + vv[None, :]
+    ok = m2 & (tl.zeros(m2.shape, tl.int64) + src > 0)  # (the interpreter rejects mask & scalar)
+    state = tl.load(state_ptr + src * st_page + st_off, mask=ok, other=0.0).to(tl.float32)
+
+    q = tl.load(q_ptr + s * sq_s + hk * sq_h + kk, mask=km, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + s * sk_s + hk * sk_h + kk, mask=km, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + s * sv_s + h * sv_h + vv, mask=vm, other=0.0).to(tl.float32)
+    q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale)
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+    a = tl.load(a_ptr + s * sa_s + h).to(tl.float32)
+    b = tl.load(b_ptr + s * sb_s + h).to(tl.float32)
+    g = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * _softplus(a + tl.load(dtb_ptr + h).to(tl.float32))
+    beta = _beta(b, b_ptr.dtype.element_ty)
+
+    state = state * tl.exp(g)
+    delta = beta * (v - tl.sum(state * k[:, None], axis=0))
+    state = state + k[:, None] * delta[None, :]
+    if dst > 0:
+        tl.store(state_ptr + dst * st_page + st_off, state, mask=m2)
+    o = tl.sum(state * q[:, None], axis=0)
+    tl.store(out_ptr + s * so_s + h * so_h + vv, o.to(out_ptr.dtype.element_ty), mask=vm)
+
+
+# ----------------------------------------------------------------------------- wrappers
+
+def _check(q, k, v, a, b, A_log, dt_bias, state) -> tuple[int, int, int, int, int]:
+    """(tokens, key heads, value heads, K, V), the shapes checked."""
+    T, Hk, K = q.shape
+    Hv, V = v.shape[1], v.shape[2]
+    assert k.shape == (T, Hk, K) and v.shape == (T, Hv, V) and Hv % Hk == 0, (q.shape, k.shape, v.shape)
+    assert a.shape == (T, Hv) and b.shape == (T, Hv), (a.shape, b.shape)
+    assert A_log.shape == (Hv,) and dt_bias.shape == (Hv,), (A_log.shape, dt_bias.shape)
+    assert state.dim() == 4 and state.shape[1:] == (Hv, K, V), (state.shape, Hv, K, V)
+    return T, Hk, Hv, K, V
+
+
+def _check_kernel_operands(q, k, v, a, b, state) -> None:
+    assert v.dtype in (torch.bfloat16, torch.float16, torch.float32), v.dtype
+    assert q.dtype == v.dtype and k.dtype == v.dtype, (q.dtype, k.dtype, v.dtype)
+    for t in (q, k, v, a, b):
+        assert t.stride(-1) == 1, "inputs need a unit last stride"
+    assert state.dtype == torch.float32 and state.stride(3) == 1, (state.dtype, state.stride())
+
+
+def default_config(K: int, V: int, num_seqs_x_heads: int, device: torch.device) -> dict:
+    """BLOCK_V and launch options of the prefill kernel. A program holds its state [K, BLOCK_V]
+    (fp32), q and k [64, K], v and v_new [64, BLOCK_V] and three [64, 64] matrices (A, N, the
+    decayed q k^T): at K = 128, BLOCK_V = 64 is ~32K fp32 values, 8 warps. BLOCK_V stays at 64
+    even when a batch-1 prefill fills only part of the GPU: on an H200 with Triton 3.6, bf16
+    operands at K = V = 128 with BLOCK_V 32 faulted (8 warps: an invalid shared-memory read under
+    compute-sanitizer) or gave wrong outputs (4 warps, or an IEEE solve: relative error 0.5-0.9),
+    and BLOCK_V 16 gave wrong outputs, while fp32 operands, K = 32, and BLOCK_V = 64 (4 or 8
+    warps) were right; `gated_delta_varlen` refuses those launches. Pass `config=` to override."""
+    bv = min(64, max(16, triton.next_power_of_2(V)))
+    bk = max(16, triton.next_power_of_2(K))
+    return {"BLOCK_V": bv, "num_warps": 8 if bk * bv >= 4096 else 4, "num_stages": 2}
+
+
+def decode_config(K: int, V: int, programs_per_column_block: int, device: torch.device) -> dict:
+    """BLOCK_V and warps of the decode kernel: the widest column block (64 fp32 columns: 256-byte
+    rows of the state read and written) that still gives two programs per SM; a small batch
+    (batch 1: one program per 16 columns of each head) takes narrow blocks of one warp. Measured
+    on an H200 at K = V = 128, 32 heads (`python -m kernels.bench.gated_delta --sweep`): batch
+    128 at 82% of the copy bandwidth with 64 columns and 4 warps against 44% with 16 and 4."""
+    bk = triton.next_power_of_2(K)
+    sms = _num_sms(device) if device.type == "cuda" else 132
+    widths = [w for w in (64, 32, 16) if w <= max(16, triton.next_power_of_2(V)) and bk * w <= 8192] or [16]
+    bv = next((w for w in widths if programs_per_column_block * triton.cdiv(V, w) >= 2 * sms), widths[-1])
+    warps = 4 if bk * bv >= 4096 else 2 if bk * bv >= 2048 else 1
+    return {"BLOCK_V": bv, "num_warps": warps}
+
+
+def _interpreter_bf16(t: torch.Tensor) -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1" and t.dtype == torch.bfloat16
+
+
+def gated_delta_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                       A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, query_start_loc: torch.Tensor,
+                       init_page: torch.Tensor, chunk_start: torch.Tensor, chunk_seq: torch.Tensor,
+                       chunk_page: torch.Tensor, out: torch.Tensor | None = None,
+                       config: dict | None = None) -> torch.Tensor:
+    """Prefill over a ragged batch. q, k `[T, Hk, K]`, v `[T, Hv, V]`, a, b `[T, Hv]` (raw
+    projections), A_log, dt_bias `[Hv]` fp32; `state[num_pages, Hv, K, V]` fp32 is read at
+    init_page[s] (<= 0: zeros) and written after every chunk with chunk_page > 0. Chunks:
+    `chunk_start[NC+1]`, `chunk_seq[NC]`, 1..GDN_MAX_CHUNK tokens each, never crossing a
+    sequence. Inputs may be strided views with a unit last stride. Returns out `[T, Hv, V]` in
+    v's dtype."""
+    T, Hk, Hv, K, V = _check(q, k, v, a, b, A_log, dt_bias, state)
+    _check_kernel_operands(q, k, v, a, b, state)
+    S = init_page.shape[0]
+    NC = chunk_seq.shape[0]
+    assert query_start_loc.shape == (S + 1,) and chunk_start.shape == (NC + 1,) and chunk_page.shape == (NC,)
+    if out is None:
+        out = torch.empty((T, Hv, V), dtype=v.dtype, device=v.device)
+    assert out.shape == (T, Hv, V) and out.stride(-1) == 1
+    if S == 0 or NC == 0:
+        return out
+    cfg = config or default_config(K, V, S * Hv, v.device)
+    block_v = cfg["BLOCK_V"]
+    if v.dtype != torch.float32 and K > 32 and block_v < min(64, V) and v.device.type == "cuda":
+        raise ValueError(f"gated_delta_varlen: BLOCK_V={block_v} with {v.dtype} operands and K={K} is refused: on an "
+                         f"H200 with Triton 3.6 such launches faulted (an invalid shared-memory read) or gave wrong "
+                         f"outputs (relative error 0.5-0.9); BLOCK_V=64 runs")
+    _gdn_varlen_kernel[(S, Hv, triton.cdiv(V, block_v))](
+        q, k, v, a, b, A_log, dt_bias, out, state, query_start_loc, init_page, chunk_start, chunk_page,
+        NC, K, V, Hv // Hk, K ** -0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
+        out.stride(0), out.stride(1), state.stride(0), state.stride(1), state.stride(2),
+        BLOCK_L=GDN_MAX_CHUNK, SUB=_SUB, LOG2_SUB=_SUB.bit_length() - 1, BLOCK_K=max(16, triton.next_power_of_2(K)),
+        BLOCK_V=block_v, DOT_F32=_interpreter_bf16(v),
+        PRECISION="ieee" if v.dtype == torch.float32 else "tf32",
+        SOLVE_PRECISION="ieee" if v.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
+
+
+def gated_delta_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                       A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, init_page: torch.Tensor,
+                       write_page: torch.Tensor, out: torch.Tensor | None = None,
+                       config: dict | None = None) -> torch.Tensor:
+    """One decode step for S sequences: q, k `[S, Hk, K]`, v `[S, Hv, V]`, a, b `[S, Hv]`; the
+    state is read at init_page[s] (<= 0: zeros) and written to write_page[s] (<= 0: not
+    written; may equal init_page). Returns out `[S, Hv, V]` in v's dtype. `config`:
+    {"BLOCK_V", "num_warps"} to override the launch."""
+    S, Hk, Hv, K, V = _check(q, k, v, a, b, A_log, dt_bias, state)
+    _check_kernel_operands(q, k, v, a, b, state)
+    assert init_page.shape == (S,) and write_page.shape == (S,)
+    if out is None:
+        out = torch.empty((S, Hv, V), dtype=v.dtype, device=v.device)
+    assert out.shape == (S, Hv, V) and out.stride(-1) == 1
+    if S == 0:
+        return out
+    block_k = triton.next_power_of_2(K)
+    cfg = {**decode_config(K, V, S * Hv, v.device), **(config or {})}
+    _gdn_update_kernel[(S, Hv, triton.cdiv(V, cfg["BLOCK_V"]))](
+        q, k, v, a, b, A_log, dt_bias, out, state, init_page, write_page,
+        K, V, Hv // Hk, K ** -0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
+        out.stride(0), out.stride(1), state.stride(0), state.stride(1), state.stride(2),
+        BLOCK_K=block_k, BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"], **pdl_args(v))
+    return out
+
+
+# ----------------------------------------------------------------------------- references
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + _EPS)  # transformers' l2norm
+
+
+def _prepare(q, k, a, b, A_log, dt_bias, Hv: int, acc: torch.dtype, divide: bool):
+    """q (normalised, scaled), k (normalised) expanded to the value heads, g and beta, in `acc`,
+    with transformers' operations (its recurrent form divides q by sqrt(K), the chunked form
+    multiplies by K^-0.5: `divide`)."""
+    rep = Hv // q.shape[1]
+    K = q.shape[-1]
+    qf = _l2norm(q.to(acc))
+    qf = qf / K ** 0.5 if divide else qf * K ** -0.5
+    kf = _l2norm(k.to(acc))
+    if rep > 1:
+        qf, kf = qf.repeat_interleave(rep, dim=1), kf.repeat_interleave(rep, dim=1)
+    g = -A_log.to(acc).exp() * F.softplus(a.to(acc) + dt_bias.to(acc))
+    beta = b.sigmoid().to(acc)  # in b's dtype, as transformers
+    return qf, kf, g, beta
+
+
+def gated_delta_update_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                           A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, init_page: torch.Tensor,
+                           write_page: torch.Tensor, out: torch.Tensor | None = None,
+                           config: dict | None = None) -> torch.Tensor:
+    """Same contract as `gated_delta_update` (`config` is ignored): transformers'
+    torch_recurrent_gated_delta_rule step, vectorised over the sequences and heads (fp32; fp64
+    for fp64 inputs; any state dtype)."""
+    S, _Hk, Hv, _K, V = _check(q, k, v, a, b, A_log, dt_bias, state)
+    assert init_page.shape == (S,) and write_page.shape == (S,)
+    acc = torch.promote_types(v.dtype, torch.float32)
+    if out is None:
+        out = torch.empty((S, Hv, V), dtype=v.dtype, device=v.device)
+    if S == 0:
+        return out
+    qf, kf, g, beta = _prepare(q, k, a, b, A_log, dt_bias, Hv, acc, divide=True)
+    h = _gather_pages(state, init_page, acc)  # [S, Hv, K, V]; read before any write
+    h = h * g.exp()[..., None, None]
+    kv_mem = (h * kf[..., None]).sum(dim=-2)
+    delta = (v.to(acc) - kv_mem) * beta[..., None]
+    h = h + kf[..., None] * delta[..., None, :]
+    o = (h * qf[..., None]).sum(dim=-2)
+    page = write_page.long()
+    keep = page > 0
+    state[page[keep]] = h[keep].to(state.dtype)
+    out.copy_(o)
+    return out
+
+
+def gated_delta_varlen_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                           A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
+                           query_start_loc: torch.Tensor, init_page: torch.Tensor, chunk_start: torch.Tensor,
+                           chunk_seq: torch.Tensor, chunk_page: torch.Tensor, out: torch.Tensor | None = None,
+                           config: dict | None = None) -> torch.Tensor:
+    """Same contract as `gated_delta_varlen` (`config` is ignored), on the given chunks, each
+    with transformers' torch_chunk_gated_delta_rule arithmetic (fp32; fp64 for fp64 inputs; any
+    state dtype). The k-th chunks of all sequences are processed together (a loop over the
+    longest sequence's chunk count), vectorised over the chunk's tokens, the heads and the
+    sequences."""
+    T, _Hk, Hv, _K, V = _check(q, k, v, a, b, A_log, dt_bias, state)
+    S = init_page.shape[0]
+    NC = chunk_seq.shape[0]
+    assert query_start_loc.shape == (S + 1,) and chunk_start.shape == (NC + 1,) and chunk_page.shape == (NC,)
+    acc = torch.promote_types(v.dtype, torch.float32)
+    dev = v.device
+    if out is None:
+        out = torch.empty((T, Hv, V), dtype=v.dtype, device=dev)
+    if S == 0 or NC == 0:
+        return out
+    run = _gather_pages(state, init_page, acc)  # [S, Hv, K, V]; all read before any write
+    qf, kf, g, beta = _prepare(q, k, a, b, A_log, dt_bias, Hv, acc, divide=False)
+    vf = v.to(acc)
+
+    cs = chunk_start.long()
+    starts, lens = cs[:-1], cs[1:] - cs[:-1]
+    cseq = chunk_seq.long()
+    first = torch.searchsorted(starts, query_start_loc.long()[:-1])  # first chunk of each sequence
+    rank = torch.arange(NC, device=dev) - first[cseq]
+    pages = chunk_page.long()
+    for r in range(int(rank.max()) + 1):
+        idx = (rank == r).nonzero().squeeze(1)  # the r-th chunk of every sequence that has one
+        seq = cseq[idx]
+        L = int(lens[idx].max())
+        pos = torch.arange(L, device=dev)
+        valid = pos[None, :] < lens[idx][:, None]  # [m, L]
+        tok = (starts[idx][:, None] + pos[None, :]).clamp_max(T - 1)
+        vm = valid[..., None]
+
+        def heads_first(x: torch.Tensor) -> torch.Tensor:  # [m, L, H, ...] -> [m, H, L, ...]
+            return x.transpose(1, 2)
+        qc = heads_first(qf[tok] * vm[..., None])
+        kc = heads_first(kf[tok] * vm[..., None])
+        vc = heads_first(vf[tok] * vm[..., None])
+        bc = heads_first(beta[tok] * vm)  # [m, H, L]
+        cum = heads_first(g[tok] * vm).cumsum(dim=-1)
+        upper = torch.ones(L, L, dtype=torch.bool, device=dev).triu(1)
+        decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
+        k_beta = kc * bc[..., None]
+        ut = (k_beta @ kc.transpose(-1, -2)) * decay
+        new_values = torch.linalg.solve_triangular(ut, vc * bc[..., None], upper=False, unitriangular=True)
+        k_cumdecay = torch.linalg.solve_triangular(ut, k_beta * cum.exp()[..., None], upper=False,
+                                                   unitriangular=True)
+        attn = (qc @ kc.transpose(-1, -2)) * decay
+        h = run[seq]  # [m, Hv, K, V]
+        v_new = new_values - k_cumdecay @ h
+        o = (qc * cum.exp()[..., None]) @ h + attn @ v_new  # [m, H, L, V]
+        h = h * cum[..., -1].exp()[..., None, None] + (kc * (cum[..., -1:] - cum).exp()[..., None]).transpose(-1, -2) @ v_new
+        run[seq] = h
+        out[tok[valid]] = o.transpose(1, 2)[valid].to(out.dtype)
+        pg = pages[idx]
+        keep = pg > 0
+        if keep.any():
+            state[pg[keep]] = h[keep].to(state.dtype)
+    return out

@@ -1,0 +1,216 @@
+"""The Gated DeltaNet mixer (the linear-attention layers of Qwen3-Next and Qwen3.5) over its state
+pages in the shared KV cache pool.
+
+Per token: one projection gives q, k (key heads of K), v, z (value heads of V), b and a (one per
+value head); the causal depthwise conv (silu, no bias) runs over the q, k and v channels with its
+conv state; the delta rule (`kernels/gated_delta.py`: q and k L2-normalised, g = -exp(A_log) *
+softplus(a + dt_bias), beta = sigmoid(b)) updates the recurrent state [value heads, K, V] and
+reads it; the gated RMSNorm (per value head over V, one weight [V] shared by the heads, then
+times silu(z)); `out_proj`. Each key head serves Hv / Hk consecutive value heads.
+
+Checkpoints split the projection two ways: Qwen3.5's `in_proj_qkv` [q | k | v], `in_proj_z`,
+`in_proj_b`, `in_proj_a`; Qwen3-Next's `in_proj_qkvz` and `in_proj_ba`, interleaved per key head
+group (each group [q | k | its value heads' v | their z], and [their b | their a]: transformers'
+`fix_query_key_value_ordering`). Both are reordered at load time into one matrix per rank,
+[q | k | v | z | b | a], so one GEMM and one runtime path serve both.
+
+Tensor parallel: the key heads and the value heads split across ranks (a rank's value heads are
+those its key heads serve), and with them the rows of the projection, the conv channels, A_log
+and dt_bias; the norm's weight is replicated and `out_proj` row-parallel.
+
+The state: `bind_state` gives the layer its pages, as a Mamba layer's (`workers/layers/mamba.py`);
+the conv state `[num_blocks, d_conv - 1, q + k + v channels]` (the model dtype) and the recurrent
+state `[num_blocks, value heads, K, V]` (fp32) are views of them, laid out by
+`DeltaNetShape.layout` (the plan's own function). The step's pages come in
+`AttentionMetadata.mamba`, whose prefill chunks the host cuts at most SSD_MAX_CHUNK tokens long.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from distengine.model_config import DeltaNetShape, StateLayout
+from kernels.gated_delta import GDN_MAX_CHUNK
+from kernels.mamba_ssd import SSD_MAX_CHUNK
+from workers.layers.attention import AttentionMetadata
+from workers.layers.linear import RowParallelLinear
+from workers.layers.mamba import Segmented
+from workers.ops import (causal_conv1d_update_op, causal_conv1d_varlen_op, gated_delta_update_op,
+                         gated_delta_varlen_op, gated_rms_norm_op, linear_op)
+from workers.parallel import TPGroup
+
+# The host cuts one set of prefill chunks for every state layer (`workers/input_batch.py`, sized
+# for the Mamba scan): the delta-rule kernel must take chunks that long.
+assert SSD_MAX_CHUNK <= GDN_MAX_CHUNK, (SSD_MAX_CHUNK, GDN_MAX_CHUNK)
+
+# The checkpoint's projection tensors, by layout: the part names are the tensors' names
+# (`in_proj_<part>.weight`).
+LAYOUTS = {"split": ("qkv", "z", "b", "a"), "interleaved": ("qkvz", "ba")}
+
+
+class DeltaNetProjection(nn.Module):
+    """This rank's rows of [q | k | v | z | b | a] in one matrix, filled from the checkpoint's
+    tensors of its `layout` (`parts`; `weight_loader`'s shard: the part name)."""
+
+    def __init__(self, hidden: int, shape: DeltaNetShape, tp: TPGroup, dtype, device, name: str,
+                 layout: str = "split") -> None:
+        super().__init__()
+        if layout not in LAYOUTS:
+            raise ValueError(f"{name}: projection layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+        self.hidden, self.name, self.parts = hidden, name, LAYOUTS[layout]
+        self.Hk, self.Hv, self.K, self.V = shape.num_k_heads, shape.num_v_heads, shape.k_dim, shape.v_dim
+        self.hk, self.hv = shape.heads_per_rank(tp.world_size)
+        self.k0, self.v0 = tp.rank * self.hk, tp.rank * self.hv  # this rank's first key / value head
+        self.sizes = [self.hk * self.K, self.hk * self.K, self.hv * self.V, self.hv * self.V, self.hv, self.hv]
+        self.weight = nn.Parameter(torch.empty(sum(self.sizes), hidden, dtype=dtype, device=device),
+                                   requires_grad=False)
+
+    def part_shapes(self, part: str) -> tuple[int, int]:
+        """The full (unsharded) shape of the checkpoint tensor `in_proj_<part>`."""
+        Hk, Hv, K, V = self.Hk, self.Hv, self.K, self.V
+        rows = {"qkv": 2 * Hk * K + Hv * V, "z": Hv * V, "b": Hv, "a": Hv,
+                "qkvz": 2 * Hk * K + 2 * Hv * V, "ba": 2 * Hv}[part]
+        return (rows, self.hidden)
+
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard: str | None = None) -> None:
+        if shard not in self.parts:
+            raise ValueError(f"{self.name}: no projection part {shard!r} (this layout's: {', '.join(self.parts)})")
+        want = self.part_shapes(shard)
+        if tuple(full.shape) != want:
+            raise ValueError(f"{self.name} (in_proj_{shard}): checkpoint tensor has shape {tuple(full.shape)}, "
+                             f"expected {want}")
+        Hk, K, V, hk, hv, k0, v0 = self.Hk, self.K, self.V, self.hk, self.hv, self.k0, self.v0
+        kv = Hk * K
+        if shard == "qkv":
+            parts = {0: full.narrow(0, k0 * K, hk * K), 1: full.narrow(0, kv + k0 * K, hk * K),
+                     2: full.narrow(0, 2 * kv + v0 * V, hv * V)}
+        elif shard == "z":
+            parts = {3: full.narrow(0, v0 * V, hv * V)}
+        elif shard in ("b", "a"):
+            parts = {4 if shard == "b" else 5: full.narrow(0, v0, hv)}
+        elif shard == "qkvz":  # per key head group: [q (K) | k (K) | v (r V) | z (r V)]
+            r = self.Hv // Hk
+            g = full.unflatten(0, (Hk, 2 * K + 2 * r * V)).narrow(0, k0, hk)
+            parts = {0: g[:, :K], 1: g[:, K:2 * K], 2: g[:, 2 * K:2 * K + r * V], 3: g[:, 2 * K + r * V:]}
+        else:  # "ba", per key head group: [b (r) | a (r)]
+            r = self.Hv // Hk
+            g = full.unflatten(0, (Hk, 2 * r)).narrow(0, k0, hk)
+            parts = {4: g[:, :r], 5: g[:, r:]}
+        offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        for i, rows in parts.items():
+            param.data.narrow(0, offsets[i], self.sizes[i]).copy_(rows.reshape(self.sizes[i], self.hidden))
+
+
+class HeadGatedRMSNorm(nn.Module):
+    """Qwen3NextRMSNormGated over each value head: y * rsqrt(mean(y^2) + eps), rounded to y's
+    dtype, times the weight [V] (shared by the heads), times silu(z)."""
+
+    def __init__(self, v_dim: int, heads: int, eps: float, dtype, device, name: str) -> None:
+        super().__init__()
+        self.v_dim, self.heads, self.eps, self.name = v_dim, heads, eps, name
+        self.weight = nn.Parameter(torch.ones(v_dim, dtype=dtype, device=device), requires_grad=False)
+        self._per_channel: torch.Tensor | None = None  # the weight repeated per head: built once
+
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard=None) -> None:
+        if tuple(full.shape) != (self.v_dim,):
+            raise ValueError(f"{self.name}: checkpoint tensor has shape {tuple(full.shape)}, expected ({self.v_dim},)")
+        param.data.copy_(full)
+        self._per_channel = None
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """y, z `[T, heads * V]` (z may be a strided view)."""
+        if self._per_channel is None:
+            self._per_channel = self.weight.repeat(self.heads)
+        # transformers rounds the normalised value to y's dtype before the weight.
+        return gated_rms_norm_op(y, z, self._per_channel, self.v_dim, self.eps, norm_before_gate=True,
+                                 round_before_weight=True)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, hidden_size: int, shape: DeltaNetShape, tp: TPGroup, dtype: torch.dtype, device, prefix: str,
+                 *, eps: float, activation: str = "silu", layout: str = "split") -> None:
+        super().__init__()
+        if activation not in ("silu", "swish"):
+            raise ValueError(f"{prefix}: Gated DeltaNet conv activation {activation!r} is not supported (silu)")
+        if shape.state_dtype_bytes != 4:
+            raise ValueError(f"{prefix}: a Gated DeltaNet state of {shape.state_dtype_bytes}-byte elements is not "
+                             f"supported (the delta rule keeps it in float32: mamba_ssm_dtype float32)")
+        self.prefix, self.tp, self.shape = prefix, tp, shape
+        Hk, Hv, K, V = shape.num_k_heads, shape.num_v_heads, shape.k_dim, shape.v_dim
+        self.hk, self.hv = shape.heads_per_rank(tp.world_size)
+        self.K, self.V, self.d_conv = K, V, shape.d_conv
+        self.conv_dim = 2 * self.hk * K + self.hv * V
+        self.in_proj = DeltaNetProjection(hidden_size, shape, tp, dtype, device, f"{prefix}.in_proj", layout)
+        keys = (Hk * K, tp.rank * self.hk * K, self.hk * K)
+        self.conv1d = Segmented([keys, keys, (Hv * V, tp.rank * self.hv * V, self.hv * V)], (1, shape.d_conv), False,
+                                dtype, device, f"{prefix}.conv1d")
+        f32 = {"dtype": torch.float32, "device": device}
+        self.A_log = nn.Parameter(torch.empty(self.hv, **f32), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.hv, **f32), requires_grad=False)
+        self.head_slice = (Hv, tp.rank * self.hv, self.hv)
+        self.norm = HeadGatedRMSNorm(V, self.hv, eps, dtype, device, f"{prefix}.norm")
+        self.out_proj = RowParallelLinear(Hv * V, hidden_size, False, tp, dtype, device, f"{prefix}.out_proj")
+        self.conv_state: torch.Tensor | None = None
+        self.ssm_state: torch.Tensor | None = None
+        self.mamba_index = -1
+
+    # ---- weights -------------------------------------------------------------------------
+    def full_shapes(self) -> dict[str, tuple[int, ...]]:
+        full = self.head_slice[0]
+        return {"A_log": (full,), "dt_bias": (full,)}
+
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard=None) -> None:
+        n_full, start, n = self.head_slice
+        if tuple(full.shape) != (n_full,):
+            raise ValueError(f"{self.prefix}: checkpoint tensor has shape {tuple(full.shape)}, expected ({n_full},)")
+        param.data.copy_(full.narrow(0, start, n).to(param.dtype))
+
+    # ---- state ---------------------------------------------------------------------------
+    def state_layout(self, dtype_bytes: int) -> StateLayout:
+        return self.shape.layout(self.tp.world_size, dtype_bytes)
+
+    def bind_state(self, pages: torch.Tensor, mamba_index: int, dtype: torch.dtype) -> None:
+        """`pages`: `[num_blocks, bytes]` uint8, this layer's pages of every block."""
+        esize = torch.empty((), dtype=dtype).element_size()
+        lay = self.state_layout(esize)
+        if pages.shape[1] < lay.nbytes:
+            raise ValueError(f"{self.prefix}: its pages hold {pages.shape[1]} bytes, the state needs {lay.nbytes}")
+        if tuple(lay.conv_shape) != (self.d_conv - 1, self.conv_dim):
+            raise ValueError(f"{self.prefix}: the plan's conv state {lay.conv_shape} is not this layer's "
+                             f"{(self.d_conv - 1, self.conv_dim)}")
+        n = pages.shape[0]
+        conv_bytes = lay.conv_shape[0] * lay.conv_shape[1] * esize
+        self.conv_state = pages[:, :conv_bytes].view(dtype).view(n, *lay.conv_shape)
+        ssm_bytes = lay.ssm_shape[0] * lay.ssm_shape[1] * lay.ssm_shape[2] * 4
+        self.ssm_state = pages[:, lay.ssm_offset:lay.ssm_offset + ssm_bytes].view(torch.float32).view(
+            n, *lay.ssm_shape)
+        self.mamba_index = mamba_index
+
+    def unbind(self) -> None:
+        self.conv_state = self.ssm_state = None
+        self.mamba_index = -1
+
+    # ---- forward -------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        m = meta.mamba
+        if self.conv_state is None or m is None:
+            raise RuntimeError(f"{self.prefix}: no Gated DeltaNet state bound (allocate the cache before running)")
+        T, j = x.shape[0], self.mamba_index
+        hk, hv, K, V = self.hk, self.hv, self.K, self.V
+        proj = linear_op(x, self.in_proj.weight)
+        qkv, z, b, a = proj.split([self.conv_dim, hv * V, hv, hv], dim=-1)
+        w = self.conv1d.weight.view(self.conv_dim, self.d_conv)
+        if m.decode:
+            qkv = causal_conv1d_update_op(qkv, w, None, self.conv_state, m.init_pages[j], m.write_pages[j])
+        else:
+            qkv = causal_conv1d_varlen_op(qkv, w, None, self.conv_state, meta.query_start_loc, m.init_pages[j],
+                                          m.chunk_start, m.chunk_seq, m.chunk_pages[j])
+        q, k, v = qkv.split([hk * K, hk * K, hv * V], dim=-1)
+        q, k, v = q.view(T, hk, K), k.view(T, hk, K), v.view(T, hv, V)
+        if m.decode:
+            y = gated_delta_update_op(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_state, m.init_pages[j],
+                                      m.write_pages[j])
+        else:
+            y = gated_delta_varlen_op(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_state, meta.query_start_loc,
+                                      m.init_pages[j], m.chunk_start, m.chunk_seq, m.chunk_pages[j])
+        return self.out_proj(self.norm(y.view(T, hv * V), z))

@@ -1,0 +1,207 @@
+"""Qwen3-Next (Qwen3NextForCausalLM): Gated DeltaNet layers (LINEAR) and gated full-attention
+layers, in the config's `layer_types` (the published config.json has none: every
+`full_attention_interval`-th layer is attention), each followed by a sparse MoE block or an MLP.
+
+* the decoder's norms are zero-centred RMSNorms, x * (1 + weight) (the input and post-attention
+  norms, the final norm, q_norm and k_norm);
+* the attention: q_proj gives each head [query | gate]; q_norm and k_norm per head; partial
+  rotary (`partial_rotary_factor`, 0.25: the first head_dim / 4 dims of each head rotate);
+  attention; the output times sigmoid(gate) (the config's `attn_output_gate`, which transformers
+  does not read: always gated); o_proj;
+* the Gated DeltaNet layers (`workers/layers/gated_deltanet.py`) with Qwen3-Next's interleaved
+  projections `in_proj_qkvz` / `in_proj_ba`;
+* the sparse MoE block on layer i when `num_experts` > 0, i is not in `mlp_only_layers` and
+  (i + 1) % `decoder_sparse_step` == 0, else an MLP of `intermediate_size`: the router's
+  softmax over all experts, the top `num_experts_per_tok` (renormalised when `norm_topk_prob`),
+  the routed experts of `moe_intermediate_size` (`workers/layers/moe.py`), plus the shared
+  expert (an MLP of `shared_expert_intermediate_size`) times sigmoid(`shared_expert_gate`);
+  both sums leave the layer through one all-reduce.
+
+Checkpoint names: the routed experts per expert (`mlp.experts.{e}.gate_proj.weight`,
+`up_proj`, `down_proj`: the published checkpoints, and what transformers' save_pretrained
+writes) or stacked (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]:
+transformers 5 in memory); both load. The multi-token-prediction layers (`mtp.*`, speculative
+decoding only) are not built and their tensors not read.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from distengine.model_config import FULL, LINEAR
+from workers.layers.gated_deltanet import DeltaNetProjection, GatedDeltaNet
+from workers.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from workers.layers.moe import FusedMoE, Router
+from workers.models.base import DecoderForCausalLM
+from workers.models.hybrid import HybridDecoderLayer, HybridForCausalLM
+from workers.models.llama import LlamaAttention
+from workers.ops import act_and_mul, linear_op
+from workers.parallel import TPGroup
+
+
+class Qwen3NextAttention(LlamaAttention):
+    qk_norm = True
+    gemma_norm = True
+    output_gate = True
+
+    def __init__(self, config, layer_idx: int, kind: str, tp: TPGroup, dtype, device, prefix: str,
+                 rope_cache: torch.Tensor | None) -> None:
+        if getattr(config, "attn_output_gate", True) is False:
+            raise ValueError(f"{prefix}: attention without its output gate (attn_output_gate false) is not supported")
+        super().__init__(config, layer_idx, kind, tp, dtype, device, prefix, rope_cache)
+
+
+class Qwen3NextMLP(nn.Module):
+    """gate_proj / up_proj (column-parallel, fused) -> act(gate) * up -> down_proj (row-parallel;
+    `reduce` False leaves the partial sum to the caller's all-reduce)."""
+
+    def __init__(self, config, tp: TPGroup, dtype, device, prefix: str, intermediate: int,
+                 reduce: bool = True) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.gate_up_proj = MergedColumnParallelLinear(h, [intermediate, intermediate], False, tp, dtype, device,
+                                                       f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(intermediate, h, False, tp, dtype, device, f"{prefix}.down_proj",
+                                           reduce=reduce)
+        self.act = act_and_mul(getattr(config, "hidden_act", None) or "silu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class SharedExpertGate(nn.Module):
+    """sigmoid(x w), w [1, hidden], replicated: the shared expert's share of each token."""
+
+    def __init__(self, hidden: int, dtype, device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, hidden, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(linear_op(x, self.weight))
+
+
+class Qwen3NextSparseMoe(nn.Module):
+    """The router (`gate`), the routed experts and the gated shared expert; one all-reduce for
+    their sum (the shared gate is replicated, so it scales each rank's partial sum alike)."""
+
+    def __init__(self, config, tp: TPGroup, dtype, device, prefix: str, renormalize: bool) -> None:
+        super().__init__()
+        h, e = config.hidden_size, int(config.num_experts)
+        self.tp = tp
+        self.gate = Router(h, e, dtype, device)
+        self.experts = FusedMoE(e, int(config.num_experts_per_tok), h, int(config.moe_intermediate_size),
+                                getattr(config, "hidden_act", None) or "silu", tp, dtype, device, f"{prefix}.experts",
+                                renormalize=renormalize)
+        self.shared_expert = Qwen3NextMLP(config, tp, dtype, device, f"{prefix}.shared_expert",
+                                          int(config.shared_expert_intermediate_size), reduce=False)
+        self.shared_expert_gate = SharedExpertGate(h, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routed = self.experts(x, self.gate(x))
+        return self.tp.all_reduce(routed + self.shared_expert_gate(x) * self.shared_expert(x))
+
+
+class Qwen3NextDecoderLayer(HybridDecoderLayer):
+    kinds = frozenset({FULL, LINEAR})
+    norm_name, mamba_name, attention_name = "input_layernorm", "linear_attn", "self_attn"
+    ff_norm_name, ff_name = "post_attention_layernorm", "mlp"
+    attention_cls = Qwen3NextAttention
+    gemma_norm = True
+
+    def is_moe(self, config) -> bool:
+        i = self.index
+        return (int(getattr(config, "num_experts", 0) or 0) > 0 and i not in (config.mlp_only_layers or [])
+                and (i + 1) % int(config.decoder_sparse_step) == 0)
+
+    def renormalize(self, config) -> bool:
+        return bool(getattr(config, "norm_topk_prob", True))
+
+    def build_feed_forward(self, config, tp, dtype, device, prefix: str) -> None:
+        name = f"{prefix}.{self.ff_name}"
+        ff = Qwen3NextSparseMoe(config, tp, dtype, device, name, self.renormalize(config)) if self.is_moe(config) \
+            else Qwen3NextMLP(config, tp, dtype, device, name, int(config.intermediate_size))
+        setattr(self, self.ff_name, ff)
+
+
+# Checkpoint tensors filling one parameter of ours whose names are not ours: the DeltaNet
+# projection's parts, the experts one at a time or stacked.
+_IN_PROJ = re.compile(r"^(.*\.linear_attn\.in_proj)_(qkvz|ba|qkv|z|b|a)\.weight$")
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_STACKED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+class Qwen3NextForCausalLM(HybridForCausalLM):
+    decoder_layer_cls = Qwen3NextDecoderLayer
+    projection_layout = "interleaved"  # the Gated DeltaNet's checkpoint projections (gated_deltanet.LAYOUTS)
+    ignored_prefixes = ("mtp.",)
+
+    def __init__(self, config, tp: TPGroup, dtype, device, max_positions: int | None = None) -> None:
+        super().__init__(self.text_part(config), tp, dtype, device, max_positions)
+        self.hf_config = config
+
+    def text_part(self, config):
+        return config
+
+    def norm_eps(self, config) -> float:
+        return float(config.rms_norm_eps)
+
+    def mixer(self, config, tp, dtype, device, prefix: str) -> nn.Module:
+        return GatedDeltaNet(config.hidden_size, self.shape, tp, dtype, device, prefix, eps=self.eps,
+                             activation=getattr(config, "hidden_act", None) or "silu", layout=self.projection_layout)
+
+    # ---- weights -------------------------------------------------------------------------
+    def checkpoint_to_param(self, name: str) -> tuple[str, object]:
+        name = self.our_name(name)
+        m = _IN_PROJ.match(name)
+        if m:
+            return f"{m[1]}.weight", m[2]
+        m = _EXPERT.match(name)
+        if m:
+            return f"{m[1]}.{'w2' if m[3] == 'down' else 'w13'}", (int(m[2]), {"gate": 0, "up": 1}.get(m[3]))
+        m = _STACKED_EXPERTS.match(name)
+        if m:
+            return f"{m[1]}.{'w13' if m[2] == 'gate_up_proj' else 'w2'}", None
+        return DecoderForCausalLM.checkpoint_to_param(self, name)
+
+    def checkpoint_sources(self) -> dict[str, list[dict[str, tuple[int, ...]]]]:
+        """Each parameter (or fused part) of ours -> the ways a checkpoint may fill it, each a set
+        of tensors (our spelling of their names) with their full shapes."""
+        out: dict[str, list[dict[str, tuple[int, ...]]]] = {}
+        modules = dict(self.named_modules())
+        for name, shape in DecoderForCausalLM.expected_checkpoint_shapes(self).items():
+            owner = modules.get(name.rsplit(".", 1)[0])
+            if isinstance(owner, DeltaNetProjection):
+                base = name[: -len(".weight")]
+                out[name] = [{f"{base}_{part}.weight": owner.part_shapes(part) for part in owner.parts}]
+            elif isinstance(owner, FusedMoE) and name.endswith((".w13", ".w2")):
+                base = name.rsplit(".", 1)[0]
+                e, h, i = owner.num_experts, owner.hidden, owner.intermediate
+                if name.endswith(".w13"):
+                    per_expert = {f"{base}.{x}.{p}_proj.weight": (i, h) for x in range(e) for p in ("gate", "up")}
+                    out[name] = [{f"{base}.gate_up_proj": shape}, per_expert]
+                else:
+                    out[name] = [{f"{base}.down_proj": shape}, {f"{base}.{x}.down_proj.weight": (h, i) for x in range(e)}]
+            else:
+                out[name] = [{name: shape}]
+        return out
+
+    def expected_checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {spelling: shape for ways in self.checkpoint_sources().values() for way in ways
+                for name, shape in way.items() for spelling in self.spellings(name)}
+
+    def missing_weights(self, loaded: set[str]) -> list[str]:
+        """Our parameters that no complete set of tensors filled, named by the set the checkpoint
+        came closest to (the first one if it has none of them)."""
+        have = {self.our_name(n) for n in loaded}
+        missing: list[str] = []
+        for ways in self.checkpoint_sources().values():
+            if any(all(n in have for n in way) for way in ways):
+                continue
+            closest = max(ways, key=lambda way: sum(n in have for n in way))
+            missing += [self.spellings(n)[0] for n in closest if n not in have]
+        return sorted(missing)
+
+
+__all__ = ["Qwen3NextForCausalLM"]
