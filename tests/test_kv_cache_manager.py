@@ -288,6 +288,46 @@ def test_mamba_checkpoints_every_interval_and_where_prompts_diverge():
     assert sum(1 for b in new[1] if b) == 1
 
 
+@pytest.mark.parametrize("config, block_size", [("qwen3-next-80b-a3b", 96), ("qwen3.6-27b", 64)])
+def test_deltanet_hybrid_hits_a_short_shared_prefix_that_vllms_layout_misses(config, block_size):
+    """Gated DeltaNet hybrids: a state spread over 11 or 13 pages keeps the block at 96 or 64
+    tokens; vLLM's layout (one page per state) makes it 1056 or 784, larger than the prompts."""
+    from distengine.model_config import load_config_dict, parse_model_config
+    from distengine.kv_cache.plan import make_plan, vllm_plan
+    name, cfg = load_config_dict(config)
+    plan = make_plan(parse_model_config(cfg, name))
+    vllm = vllm_plan(plan)
+    assert plan.block_size == block_size and 3 * plan.block_size <= vllm.block_size
+    assert plan.mamba_group_ids
+    shared = list(range(96))
+    for p in (plan, vllm):
+        mgr = manager(p, 400)
+        a = Request("a", shared + [1] * 4)
+        admit(mgr, a)
+        decode(mgr, a)
+        mgr.free(a)
+        b = Request("b", shared + [2] * 4)
+        blocks, hit = mgr.get_computed_blocks(b)
+        if p is vllm:
+            assert hit == 0 and not any(blocks)
+            continue
+        bs = p.block_size
+        # The whole shared prefix in whole blocks, restored from the state kept at its end (the
+        # last block end of a's prompt step).
+        assert hit == 96 // bs * bs > 0
+        for g in p.groups:
+            table = blocks[g.group_id]
+            assert len(table) == hit // bs
+            if g.spec.kind == MAMBA:
+                assert all(x is mgr.pool.null_block for x in table[:-1])
+                assert table[-1] is mgr.pool.cached[g.group_id][b.block_hashes[hit // bs - 1]]
+            else:
+                assert all(x is not mgr.pool.null_block for x in table)
+        assert mgr.allocate_slots(b, b.num_tokens - hit, hit, blocks) is not None
+        mgr.free(b)
+        assert mgr.num_free_blocks == 399
+
+
 def test_cross_attention_allocated_once_never_cached():
     plan = plan_of((FULL, 1), (CROSS, 1), group_size=1, block_size=4)
     mgr = manager(plan, 50)

@@ -5,13 +5,28 @@ request per step, at most 256 running; on a shortage the newest running request 
 (its blocks freed) and requeued at the front. Prefix-cache hits are counted at a request's first
 admission (a preempted request finding its own blocks again is not a hit of the trace).
 
+Two generated traces (`--trace-kind`, both seeded; `--trace` reads one from a file instead):
+- shared-prompt (the default): a shared 1000-token system prompt plus a unique question, 30%
+  follow-ups of an earlier request (see `make_trace`);
+- multi-turn: conversations of 2-8 turns, each turn's prompt the previous turn's prompt plus its
+  answer plus a new question, queued a few steps after the previous turn finished; the first turn
+  starts with the same shared system prompt; many conversations run interleaved (see
+  `make_multi_turn_trace`). A hit there is mostly the conversation so far, which a hybrid model
+  can only resume where a recurrent state was kept.
+
 The pool is sized in memory: `--num-blocks N` is N blocks of vLLM's layout of the model (its
 group size, and for a Mamba hybrid its one-page state); our layout gets the same bytes
 (`--memory-gib` gives the bytes directly).
 
-A Mamba hybrid (`--layout bamba-9b`) is also run through our manager with vLLM's layout and
-vLLM's prefix-caching rule for Mamba: blocks of 528 tokens (one page holds a state), the state
-kept at every block end: the hit tokens against that rule show what the finer layout buys.
+A hybrid of attention and recurrent-state layers (`--layout bamba-9b`, a Mamba2 hybrid; the
+Gated DeltaNet hybrids `qwen3.6-35b-a3b`, `qwen3.6-27b`, `qwen3-next-80b-a3b`) is also run
+through our manager with vLLM's layout: one page holds a state, so blocks are large (Bamba-9B:
+528 tokens against our 176; the DeltaNet hybrids: 784-1056 against our 64-112), and a state is
+kept at every block end, as vLLM keeps them with dense retention
+(`prefix_cache_retention_interval=None`). The hit tokens against that rule show what the finer
+layout buys. vLLM's default keeps states only where a later request can resume; `--reference
+vllm` drives vLLM's own manager so (`vllm_reference`). When the pool is short, that can hit more
+than the dense rule, whose states crowd the cache.
 """
 from __future__ import annotations
 
@@ -27,7 +42,10 @@ from distengine.model_config import load_config_dict, parse_model_config
 from distengine.kv_cache.plan import GIB, KVCachePlan, make_plan, vllm_plan
 from distengine.request import Request
 
-LAYOUTS = {"full": "llama-3-8b", "gemma-3-27b": "gemma-3-27b", "bamba-9b": "bamba-9b"}
+LAYOUTS = {"full": "llama-3-8b", "gemma-3-27b": "gemma-3-27b", "bamba-9b": "bamba-9b",
+           "qwen3.6-35b-a3b": "qwen3.6-35b-a3b", "qwen3.6-27b": "qwen3.6-27b",
+           "qwen3-next-80b-a3b": "qwen3-next-80b-a3b"}
+TRACE_KINDS = ("shared-prompt", "multi-turn")
 VLLM_LAYOUT = "vllm-layout:"  # prefix of a result of our manager on vLLM's layout (Mamba hybrids)
 MAX_RUNNING = 256
 
@@ -61,6 +79,41 @@ def make_trace(seed: int = 0, num_requests: int = 600, vocab: int = 32000) -> li
             t += rng.expovariate(1.0)
             trace.append(TraceRequest(i, int(t), None, 0, system + tokens(rng.randint(64, 1536)), output))
     return trace
+
+
+def make_multi_turn_trace(seed: int = 0, num_requests: int = 600, vocab: int = 32000) -> list[TraceRequest]:
+    """Conversations of 2-8 turns, `num_requests` turns in all (the last conversation cut short).
+    The first turn is the shared 1000-token system prompt plus a 64-1536-token question; each
+    later turn's prompt is the previous turn's prompt and answer plus a 16-512-token question,
+    queued 1-20 steps after the previous turn finished. Answers are 16-512 tokens. Conversations
+    start at exponential arrivals, mean gap 4 steps: a conversation lasts over a thousand steps,
+    so about a hundred run interleaved."""
+    rng = random.Random(seed)
+    tokens = lambda n: [rng.randrange(vocab) for _ in range(n)]  # noqa: E731
+    system = tokens(1000)
+    trace: list[TraceRequest] = []
+    t = 0.0
+    while len(trace) < num_requests:
+        t += rng.expovariate(1 / 4)
+        turns = min(rng.randint(2, 8), num_requests - len(trace))
+        first = len(trace)
+        trace.append(TraceRequest(first, int(t), None, 0, system + tokens(rng.randint(64, 1536)),
+                                  tokens(rng.randint(16, 512))))
+        for i in range(first + 1, first + turns):
+            prev = trace[-1]
+            trace.append(TraceRequest(i, None, prev.id, rng.randint(1, 20),
+                                      prev.prompt + prev.output + tokens(rng.randint(16, 512)),
+                                      tokens(rng.randint(16, 512))))
+    return trace
+
+
+def generated_trace(kind: str, seed: int, num_requests: int) -> list[TraceRequest]:
+    if kind not in TRACE_KINDS:
+        raise ValueError(f"unknown trace kind {kind!r}; one of {', '.join(TRACE_KINDS)}")
+    if num_requests < 1:
+        raise ValueError(f"a generated trace needs at least 1 request, got {num_requests}")
+    make = make_multi_turn_trace if kind == "multi-turn" else make_trace
+    return make(seed, num_requests)
 
 
 def load_trace(path: str) -> list[TraceRequest]:
@@ -97,6 +150,8 @@ class SimResult:
     group_size: int
     num_groups: int
     num_blocks: int
+    block_size: int
+    block_bytes: int
     prompt_tokens: int = 0
     hit_tokens: int = 0
     peak_blocks: int = 0
@@ -128,10 +183,14 @@ def simulate(plan: KVCachePlan, num_blocks: int, trace: list[TraceRequest], layo
     whole steps are (so the per-call timers do not inflate the step time).
 
     `make_manager(plan, num_blocks)` returns anything with KVCacheManager's methods used here
-    (get_computed_blocks, allocate_slots, free, num_free_blocks, usage): ours, or a reference."""
+    (get_computed_blocks, allocate_slots, free, num_free_blocks, usage): ours, or a reference;
+    one with a `new_step_starts()` is told when each step starts, as vLLM's scheduler tells its
+    manager."""
     mgr = make_manager(plan, num_blocks)
     # A reference manager groups the layers its own way: take its figures where it has them.
-    res = SimResult(layout, getattr(mgr, "group_size", plan.num_slots), mgr.num_groups, num_blocks)
+    res = SimResult(layout, getattr(mgr, "group_size", plan.num_slots), mgr.num_groups, num_blocks,
+                    getattr(mgr, "block_size", plan.block_size), getattr(mgr, "block_bytes", plan.block_bytes))
+    new_step_starts = getattr(mgr, "new_step_starts", None)
     children: dict[int, list[TraceRequest]] = {}
     arrivals: dict[int, list[TraceRequest]] = {}
     for t in trace:
@@ -160,6 +219,8 @@ def simulate(plan: KVCachePlan, num_blocks: int, trace: list[TraceRequest], layo
             reqs[r.request_id], outputs[r.request_id] = r, t.output
             waiting.append(r)
         t_step = clock()
+        if new_step_starts is not None:
+            new_step_starts()
         # Decodes first, oldest first; preempt the newest on a shortage.
         i = 0
         while i < len(running):
@@ -238,12 +299,13 @@ def is_hybrid(layout: str) -> bool:
 
 
 def run_layout(layout: str, trace: list[TraceRequest], num_blocks_vllm: int, make_manager=KVCacheManager,
-               same_memory: bool = True, memory_bytes: int | None = None) -> dict:
-    """Both passes over the trace for one layout. With `same_memory`, the pool of `num_blocks_vllm`
-    blocks of vLLM's layout (or of `memory_bytes`) is converted to blocks of the plan's layout."""
+               memory_bytes: int | None = None, block_bytes: int | None = None) -> dict:
+    """Both passes over the trace for one layout, in a pool of `num_blocks_vllm` blocks of vLLM's
+    layout (or of `memory_bytes`), converted to blocks of `block_bytes` (default: the plan's; a
+    reference manager's blocks may differ)."""
     plan = layout_plan(layout)
     pool_bytes = memory_bytes or num_blocks_vllm * vllm_plan(plan).block_bytes
-    num_blocks = pool_bytes // plan.block_bytes if same_memory else num_blocks_vllm
+    num_blocks = pool_bytes // (block_bytes or plan.block_bytes)
     timed_calls = simulate(plan, num_blocks, trace, layout, time_calls=True, make_manager=make_manager)
     timed_steps = simulate(plan, num_blocks, trace, layout, time_calls=False, make_manager=make_manager)
     a, b = timed_calls.summary(), timed_steps.summary()
@@ -251,8 +313,8 @@ def run_layout(layout: str, trace: list[TraceRequest], num_blocks_vllm: int, mak
         assert a[key] == b[key], f"the two passes disagree on {key}: {a[key]} != {b[key]}"
     a["us_per_step"] = b["us_per_step"]
     a["pool_layer_pages"] = num_blocks * a["group_size"]
-    a["block_size"] = plan.block_size
-    a["pool_gib"] = round(num_blocks * plan.block_bytes / GIB, 2)
+    a["block_size"] = timed_calls.block_size
+    a["pool_gib"] = round(num_blocks * timed_calls.block_bytes / GIB, 2)
     return a
 
 
@@ -265,7 +327,12 @@ LABELS = {"prompt_tokens": "prompt tok", "hit_tokens": "hit tok", "hit_rate": "h
 
 
 def run(args) -> int:
-    trace = load_trace(args.trace) if args.trace else make_trace(args.seed, args.requests)
+    if args.trace and args.trace_kind:
+        raise ValueError("--trace-kind picks a generated trace: it cannot go with --trace")
+    if args.trace:
+        trace = load_trace(args.trace)
+    else:
+        trace = generated_trace(args.trace_kind or TRACE_KINDS[0], args.seed, args.requests)
     if args.save_trace:
         save_trace(trace, args.save_trace)
     layouts = [args.layout] if args.layout else list(LAYOUTS)
@@ -276,21 +343,26 @@ def run(args) -> int:
             results[VLLM_LAYOUT + layout] = run_layout(VLLM_LAYOUT + layout, trace, args.num_blocks,
                                                        memory_bytes=memory)
     if args.reference == "vllm":
-        from launch.bench.vllm_reference import make_vllm_manager
+        from launch.bench.vllm_reference import make_vllm_manager, vllm_block_bytes
         for layout in layouts:
+            # The same bytes in blocks of vLLM's own layout (for a hybrid, its block differs a
+            # little from vllm_plan's: see vllm_reference).
             results[f"vllm:{layout}"] = run_layout(layout, trace, args.num_blocks, make_vllm_manager,
-                                                   same_memory=False)
+                                                   memory_bytes=memory,
+                                                   block_bytes=vllm_block_bytes(layout_plan(layout)))
     if args.json:
         print(json.dumps(results, indent=2))
         return 0
-    print(f"trace: {len(trace)} requests, {sum(len(t.prompt) for t in trace):,} prompt tokens, "
-          f"{sum(1 for t in trace if t.parent is not None)} follow-ups")
-    print(f"{'manager:layout':26s} {'groups x slots':>14s} {'block':>6s} {'blocks':>7s} "
+    follow_ups = sum(1 for t in trace if t.parent is not None)
+    print(f"trace: {len(trace)} requests ({len(trace) - follow_ups} arriving on their own, {follow_ups} "
+          f"follow-ups), {sum(len(t.prompt) for t in trace):,} prompt tokens")
+    labels = {name: name if name.startswith("vllm:") else f"ours:{name}" for name in results}
+    width = max(26, *(len(label) for label in labels.values()))
+    print(f"{'manager:layout':{width}s} {'groups x slots':>14s} {'block':>6s} {'blocks':>7s} "
           + " ".join(f"{LABELS[c]:>12s}" for c in COLUMNS))
     for name, r in results.items():
-        label = name if name.startswith("vllm:") else f"ours:{name}"
-        print(f"{label:26s} {r['num_groups']:6d} x {r['group_size']:5d} {r.get('block_size', ''):>6} {r['num_blocks']:7d} "
-              + " ".join(f"{r[c]:>12}" for c in COLUMNS))
+        print(f"{labels[name]:{width}s} {r['num_groups']:6d} x {r['group_size']:5d} {r.get('block_size', ''):>6} "
+              f"{r['num_blocks']:7d} " + " ".join(f"{r[c]:>12}" for c in COLUMNS))
     for layout in layouts:
         rule = results.get(VLLM_LAYOUT + layout)
         if rule:
@@ -309,12 +381,18 @@ def run(args) -> int:
 
 def add_arguments(p) -> None:
     p.add_argument("--trace", help="JSON list of {id, arrival_step, parent, think_steps, prompt, output}")
+    p.add_argument("--trace-kind", choices=TRACE_KINDS, default=None,
+                   help="the generated trace (not with --trace; unset: shared-prompt). shared-prompt: a "
+                        "shared 1000-token system prompt plus a unique question, 30%% follow-ups of an "
+                        "earlier request; multi-turn: interleaved conversations of 2-8 turns, each turn's "
+                        "prompt the previous turn's prompt, its answer and a new question, queued 1-20 "
+                        "steps after the previous turn finished")
     p.add_argument("--layout", choices=sorted(LAYOUTS), default=None, help="default: every layout")
     p.add_argument("--num-blocks", type=int, default=20000,
                    help="pool size, in blocks of vLLM's layout of the model (same memory for ours)")
     p.add_argument("--memory-gib", type=float, default=None,
                    help="pool size in GiB instead (every layout gets it), e.g. 80 for Bamba-9B on an H200")
-    p.add_argument("--requests", type=int, default=600, help="requests in the generated trace")
+    p.add_argument("--requests", type=int, default=600, help="requests (turns) in the generated trace")
     p.add_argument("--seed", type=int, default=0, help="the generated trace's seed")
     p.add_argument("--save-trace", help="write the trace used as JSON")
     p.add_argument("--reference", choices=["vllm"], default=None,
