@@ -17,8 +17,8 @@ Every exponent is <= 0 (g <= 0), so nothing overflows however strong the decay. 
 the right-hand form of v_new: T is applied to one [L, BLOCK_V] right-hand side instead of
 forming w = T (beta k exp(G)) [L, K] (L^2 K more multiply-adds per program).
 
-Prefill kernel: one program per (sequence, value head, block of BLOCK_V state columns) walks that
-sequence's host chunks in order with its [K, BLOCK_V] state in fp32 registers, as
+Prefill, fused form: one program per (sequence, value head, block of BLOCK_V state columns) walks
+that sequence's host chunks in order with its [K, BLOCK_V] state in fp32 registers, as
 kernels/mamba_ssd.py (why one fused kernel rather than FLA's six: no per-chunk states, w, u or
 v_new in global memory; checkpoints written by the program that owns the columns, so an init page
 that is also a write page has no race; host-chosen chunk ends cost nothing special). Per chunk:
@@ -42,6 +42,13 @@ The triangular solve (x = T rhs, L = 64) is blocked in 16-row blocks, all on ten
    products.
 FLA solves the same system in separate kernels (16x16 forward substitution, then merging the
 inverses with products): the same blocking, here kept in registers.
+
+Prefill, split form (a few long sequences: the fused walk of one sequence is a chain of ~128
+chunk steps, each with a solve): `_gdn_chunk_prep_kernel`, a program per (chunk, value head), all
+in parallel, solves for W = T (beta exp(G) k) [L, K] and U = T (beta v) [L, V] and forms the decayed
+q k^T P; `_gdn_chunk_scan_kernel` then walks each sequence with v_new = U - W S, four products a
+chunk and no solve. W and P go through memory in the activation dtype (W is a dot operand of S,
+rounded like k S in the fused form), U in fp32.
 
 Numerics (as FLA's kernels, which transformers runs on GPUs when they are installed): q and k normalised in fp32, then, for 16-bit
 inputs, the dot operands in the activation dtype (q, k, the state entering k S and q S, the
@@ -100,6 +107,94 @@ def _beta(b, DTYPE: tl.constexpr):
     return (1.0 / (1.0 + tl.exp(-b))).to(DTYPE).to(tl.float32)
 
 
+@triton.jit
+def _load_normed(ptr, t0l, head, s_t, s_h, n, K, scale, BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows t0l..t0l+n of one head, L2-normalised in fp32 (eps 1e-6), times `scale`; zero rows
+    past n."""
+    l = tl.arange(0, BLOCK_L)
+    kk = tl.arange(0, BLOCK_K)
+    x = tl.load(ptr + t0l * s_t + head * s_h + l[:, None] * s_t + kk[None, :],
+                mask=(l < n)[:, None] & (kk < K)[None, :], other=0.0).to(tl.float32)
+    return x * (tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6) * scale)[:, None]
+
+
+@triton.jit
+def _chunk_gates(a_ptr, b_ptr, t0l, n, h, neg_A, dt_b, sa_t, sb_t, BLOCK_L: tl.constexpr):
+    """(g, to_end, beta) of a chunk's n tokens: the log decays, the sum of the following tokens'
+    g (to_end[j] = g_{j+1} + ... + g_L, from a shifted load: a sum over its own segment, accurate
+    however strong the decay, where G_L - G_j would not be), and beta. Padding rows: no decay,
+    no update (beta = 0)."""
+    l = tl.arange(0, BLOCK_L)
+    lm = l < n
+    a_c = a_ptr + t0l * sa_t + h
+    a = tl.load(a_c + l * sa_t, mask=lm, other=0.0).to(tl.float32)
+    a_next = tl.load(a_c + (l + 1) * sa_t, mask=l + 1 < n, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + t0l * sb_t + h + l * sb_t, mask=lm, other=0.0).to(tl.float32)
+    g = tl.where(lm, neg_A * _softplus(a + dt_b), 0.0)
+    g_next = tl.where(l + 1 < n, neg_A * _softplus(a_next + dt_b), 0.0)
+    beta = tl.where(lm, _beta(b, b_ptr.dtype.element_ty), 0.0)
+    return g, tl.cumsum(g_next, axis=0, reverse=True), beta
+
+
+@triton.jit
+def _chunk_qk(q_ptr, k_ptr, a_ptr, b_ptr, t0l, n, hk, h, neg_A, dt_b, scale,
+              sq_t, sq_h, sk_t, sk_h, sa_t, sb_t, K,
+              BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr, DT: tl.constexpr, DOT_F32: tl.constexpr):
+    """One chunk's state-independent operands: the normalised q (scaled) and k and k decayed to
+    the chunk's end as dot operands, beta, exp(G) and exp(G_L), and the causal decay matrix
+    exp(G_i - G_j)."""
+    l = tl.arange(0, BLOCK_L)
+    q = _load_normed(q_ptr, t0l, hk, sq_t, sq_h, n, K, scale, BLOCK_L, BLOCK_K)
+    k = _load_normed(k_ptr, t0l, hk, sk_t, sk_h, n, K, 1.0, BLOCK_L, BLOCK_K)
+    g, to_end, beta = _chunk_gates(a_ptr, b_ptr, t0l, n, h, neg_A, dt_b, sa_t, sb_t, BLOCK_L)
+    # exp(G_i - G_j) as the exponential of g_{j+1} + ... + g_i, a segment sum (0 on and above the
+    # diagonal), not a difference of prefix sums: with a strong decay G reaches -1000 within a
+    # chunk and G_i - G_j would lose ~1e-4 of the exponents that matter (those of nearby tokens).
+    seg = tl.cumsum(tl.where(l[:, None] > l[None, :], g[:, None], 0.0), axis=0)
+    decay = tl.where(l[:, None] >= l[None, :], tl.exp(seg), 0.0)
+    kd = _dot_operand(k, DT, DOT_F32)
+    kw = _dot_operand(k * tl.exp(to_end)[:, None], DT, DOT_F32)
+    qd = _dot_operand(q, DT, DOT_F32)
+    return qd, kd, kw, beta, tl.exp(tl.cumsum(g, axis=0)), tl.exp(tl.sum(g, axis=0)), decay
+
+
+@triton.jit
+def _solve_blocks(A, BLOCK_L: tl.constexpr, SUB: tl.constexpr, LOG2_SUB: tl.constexpr, PREC: tl.constexpr):
+    """(I + A) x = rhs for a strictly lower A [L, L], in 16-row blocks: Dinv, the inverses of the
+    diagonal blocks by recursive doubling ([NB, SUB, SUB]), and N = Dinv E (E the strictly
+    block-lower part of A, [L, L]); `_solve` then iterates x = Dinv rhs - N x."""
+    l = tl.arange(0, BLOCK_L)
+    NB: tl.constexpr = BLOCK_L // SUB
+    bi = tl.arange(0, NB)
+    diag_sel = bi[:, None, None, None] == bi[None, None, :, None]  # A as [NB, SUB, NB, SUB]: its diagonal blocks
+    r = tl.arange(0, SUB)
+    ri = r[None, :, None]
+    rj = r[None, None, :]
+    eye = tl.where(ri == rj, 1.0, 0.0) + tl.zeros([NB, SUB, SUB], tl.float32)
+    Ad = tl.sum(tl.where(diag_sel, tl.reshape(A, (NB, SUB, NB, SUB)), 0.0), axis=2)  # [NB, SUB, SUB]
+    Dinv = eye - tl.where(ri // 2 == rj // 2, Ad, 0.0)  # the inverses of the 2x2 blocks
+    for lvl in tl.static_range(1, LOG2_SUB):
+        # the lower off-diagonal w x w block of each 2w block (w = 2^lvl): X21 = -X22 D21 X11
+        E = tl.where(((ri >> (lvl + 1)) == (rj >> (lvl + 1))) & ((ri >> lvl) != (rj >> lvl)), Ad, 0.0)
+        Dinv = Dinv - tl.dot(Dinv, tl.dot(E, Dinv, input_precision=PREC), input_precision=PREC)
+    blk = l // SUB
+    E = tl.reshape(tl.where(blk[:, None] > blk[None, :], A, 0.0), (NB, SUB, BLOCK_L))
+    Nm = tl.reshape(tl.dot(Dinv, E, input_precision=PREC), (BLOCK_L, BLOCK_L))
+    return Dinv, Nm
+
+
+@triton.jit
+def _solve(Dinv, Nm, rhs, n, BLOCK_L: tl.constexpr, SUB: tl.constexpr, WIDTH: tl.constexpr, PREC: tl.constexpr):
+    """x = (I + A)^-1 rhs for rhs [L, WIDTH] (block forward substitution: N is nilpotent, block i
+    exact after i steps; the chunk's n rows need ceil(n / SUB) - 1)."""
+    NB: tl.constexpr = BLOCK_L // SUB
+    c = tl.reshape(tl.dot(Dinv, tl.reshape(rhs, (NB, SUB, WIDTH)), input_precision=PREC), (BLOCK_L, WIDTH))
+    x = c
+    for _ in range(1, (n + SUB - 1) // SUB):
+        x = c - tl.dot(Nm, x, input_precision=PREC)
+    return x
+
+
 # The batch shape changes every step: no specialisation on these values (== 1, divisible by 16).
 @triton.jit(do_not_specialize=["num_chunks"])
 def _gdn_varlen_kernel(
@@ -131,18 +226,7 @@ def _gdn_varlen_kernel(
     state = tl.load(state_ptr + page * st_page + h * st_h + st_off, mask=ok, other=0.0).to(tl.float32)
     neg_A = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     dt_b = tl.load(dtb_ptr + h).to(tl.float32)
-
-    causal = l[:, None] >= l[None, :]
     strict = l[:, None] > l[None, :]
-    blk = l // SUB
-    block_lower = blk[:, None] > blk[None, :]
-    NB: tl.constexpr = BLOCK_L // SUB
-    bi = tl.arange(0, NB)
-    diag_sel = bi[:, None, None, None] == bi[None, None, :, None]  # A as [NB, SUB, NB, SUB]: its diagonal blocks
-    r = tl.arange(0, SUB)
-    ri = r[None, :, None]
-    rj = r[None, None, :]
-    eye = tl.where(ri == rj, 1.0, 0.0) + tl.zeros([NB, SUB, SUB], tl.float32)
 
     c_begin = _first_ge(cstart_ptr, num_chunks, seq_start)
     c_end = _first_ge(cstart_ptr, num_chunks, seq_end)
@@ -151,64 +235,23 @@ def _gdn_varlen_kernel(
         n = tl.load(cstart_ptr + c + 1) - t0
         lm = l < n
         t0l = t0.to(tl.int64)
-        qk_mask = lm[:, None] & km[None, :]
-        q = tl.load(q_ptr + t0l * sq_t + hk * sq_h + l[:, None] * sq_t + kk[None, :], mask=qk_mask,
-                    other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + t0l * sk_t + hk * sk_h + l[:, None] * sk_t + kk[None, :], mask=qk_mask,
-                    other=0.0).to(tl.float32)
         v = tl.load(v_ptr + t0l * sv_t + h * sv_h + l[:, None] * sv_t + vv[None, :], mask=lm[:, None] & vm[None, :],
                     other=0.0).to(tl.float32)
-        a_c = a_ptr + t0l * sa_t + h
-        a = tl.load(a_c + l * sa_t, mask=lm, other=0.0).to(tl.float32)
-        a_next = tl.load(a_c + (l + 1) * sa_t, mask=l + 1 < n, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + t0l * sb_t + h + l * sb_t, mask=lm, other=0.0).to(tl.float32)
-        q = q * (tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6) * scale)[:, None]
-        k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
-        # padding rows: no decay (G stays at G_L), no update (beta = 0, k = 0)
-        g = tl.where(lm, neg_A * _softplus(a + dt_b), 0.0)
-        g_next = tl.where(l + 1 < n, neg_A * _softplus(a_next + dt_b), 0.0)
-        beta = tl.where(lm, _beta(b, b_ptr.dtype.element_ty), 0.0)
-        G = tl.cumsum(g, axis=0)
-        GL = tl.sum(g, axis=0)
-        # The decays as sums over their own segments, not differences of prefix sums: with a
-        # strong decay G reaches -1000 within a chunk and G_i - G_j would lose ~1e-4 of the
-        # exponents that matter (those of nearby tokens). g <= 0: each sum is accurate relative
-        # to itself. seg[i, j] = g_{j+1} + ... + g_i (0 on and above the diagonal); to_end[j] =
-        # g_{j+1} + ... + g_L (the sum of the following tokens' g, from the shifted load).
-        seg = tl.cumsum(tl.where(strict, g[:, None], 0.0), axis=0)
-        decay = tl.where(causal, tl.exp(seg), 0.0)
-        to_end = tl.cumsum(g_next, axis=0, reverse=True)
+        qd, kd, kw, beta, eG, eGL, decay = _chunk_qk(q_ptr, k_ptr, a_ptr, b_ptr, t0l, n, hk, h, neg_A, dt_b, scale,
+                                                     sq_t, sq_h, sk_t, sk_h, sa_t, sb_t, K,
+                                                     BLOCK_L, BLOCK_K, DT, DOT_F32)
         # Ordered so that few [64, .] tiles are alive at once (the program is at the register
-        # limit): k and q are consumed into their dot operands first, the decays into A and P.
-        kd = _dot_operand(k, DT, DOT_F32)
-        kw = _dot_operand(k * tl.exp(to_end)[:, None], DT, DOT_F32)  # k decayed to the chunk's end
-        qd = _dot_operand(q, DT, DOT_F32)
+        # limit): the decays are consumed into A and P first.
         P = _dot_operand(tl.dot(qd, tl.trans(kd), input_precision=PRECISION) * decay, DT, DOT_F32)
-        kkt = tl.dot(kd, tl.trans(kd), input_precision=PRECISION)
-        A = tl.where(strict, kkt * decay, 0.0) * beta[:, None]
-
-        # state-independent: the blocks of the solve
-        Ad = tl.sum(tl.where(diag_sel, tl.reshape(A, (NB, SUB, NB, SUB)), 0.0), axis=2)  # [NB, SUB, SUB]
-        Dinv = eye - tl.where(ri // 2 == rj // 2, Ad, 0.0)  # the inverses of the 2x2 blocks
-        for lvl in tl.static_range(1, LOG2_SUB):
-            # the lower off-diagonal w x w block of each 2w block (w = 2^lvl): X21 = -X22 D21 X11
-            E = tl.where(((ri >> (lvl + 1)) == (rj >> (lvl + 1))) & ((ri >> lvl) != (rj >> lvl)), Ad, 0.0)
-            Dinv = Dinv - tl.dot(Dinv, tl.dot(E, Dinv, input_precision=SOLVE_PRECISION),
-                                 input_precision=SOLVE_PRECISION)
-        E = tl.reshape(tl.where(block_lower, A, 0.0), (NB, SUB, BLOCK_L))
-        Nm = tl.reshape(tl.dot(Dinv, E, input_precision=SOLVE_PRECISION), (BLOCK_L, BLOCK_L))
+        A = tl.where(strict, tl.dot(kd, tl.trans(kd), input_precision=PRECISION) * decay, 0.0) * beta[:, None]
+        Dinv, Nm = _solve_blocks(A, BLOCK_L, SUB, LOG2_SUB, SOLVE_PRECISION)
 
         # the state entering the chunk: read by q (decayed to each position) and by k
-        eG = tl.exp(G)
         Sd = _dot_operand(state, DT, DOT_F32)
         o_in = tl.dot(qd, Sd, input_precision=PRECISION) * eG[:, None]
         kS = tl.dot(kd, Sd, input_precision=PRECISION)
         # v_new = (I + A)^-1 (beta (v - exp(G) k S))
-        rhs = tl.reshape(beta[:, None] * (v - eG[:, None] * kS), (NB, SUB, BLOCK_V))
-        cvec = tl.reshape(tl.dot(Dinv, rhs, input_precision=SOLVE_PRECISION), (BLOCK_L, BLOCK_V))
-        x = cvec
-        for _ in range(1, (n + SUB - 1) // SUB):
-            x = cvec - tl.dot(Nm, x, input_precision=SOLVE_PRECISION)
+        x = _solve(Dinv, Nm, beta[:, None] * (v - eG[:, None] * kS), n, BLOCK_L, SUB, BLOCK_V, SOLVE_PRECISION)
         xd = _dot_operand(x, DT, DOT_F32)
 
         # outputs: the state entering the chunk plus the intra-chunk part
@@ -217,7 +260,115 @@ def _gdn_varlen_kernel(
                  mask=lm[:, None] & vm[None, :])
 
         # the state after the chunk
-        state = tl.dot(tl.trans(kw), xd, state * tl.exp(GL), input_precision=PRECISION)
+        state = tl.dot(tl.trans(kw), xd, state * eGL, input_precision=PRECISION)
+        wpage = tl.load(cpage_ptr + c).to(tl.int64)
+        if wpage > 0:
+            tl.store(state_ptr + wpage * st_page + h * st_h + st_off, state, mask=st_mask)
+
+
+@triton.jit
+def _gdn_chunk_prep_kernel(
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, p_ptr, cstart_ptr,
+    K, V, v_per_k, scale,
+    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sa_t, sb_t, sw_t, sw_h, su_t, su_h, sp_c, sp_h,
+    BLOCK_L: tl.constexpr, SUB: tl.constexpr, LOG2_SUB: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, SOLVE_PRECISION: tl.constexpr,
+):
+    """Phase 1 of the split prefill, one program per (chunk, value head), all in parallel: what
+    a chunk needs that does not depend on the state entering it. With T = (I + A)^-1:
+    W = T (beta exp(G) k) [L, K] (DT), U = T (beta v) [L, V] (fp32), and the decayed causal
+    q k^T P [L, L] (DT), so that phase 2 computes v_new = U - W S."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    hk = h // v_per_k
+    DT: tl.constexpr = v_ptr.dtype.element_ty
+    t0 = tl.load(cstart_ptr + c)
+    n = tl.load(cstart_ptr + c + 1) - t0
+    t0l = t0.to(tl.int64)
+    l = tl.arange(0, BLOCK_L)
+    kk = tl.arange(0, BLOCK_K)
+    vv = tl.arange(0, BLOCK_V)
+    lm = l < n
+    neg_A = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+    dt_b = tl.load(dtb_ptr + h).to(tl.float32)
+    qd, kd, kw, beta, eG, eGL, decay = _chunk_qk(q_ptr, k_ptr, a_ptr, b_ptr, t0l, n, hk, h, neg_A, dt_b, scale,
+                                                 sq_t, sq_h, sk_t, sk_h, sa_t, sb_t, K, BLOCK_L, BLOCK_K, DT, DOT_F32)
+    P = tl.dot(qd, tl.trans(kd), input_precision=PRECISION) * decay
+    tl.store(p_ptr + c.to(tl.int64) * sp_c + h * sp_h + l[:, None] * BLOCK_L + l[None, :], P.to(DT))
+    strict = l[:, None] > l[None, :]
+    A = tl.where(strict, tl.dot(kd, tl.trans(kd), input_precision=PRECISION) * decay, 0.0) * beta[:, None]
+    Dinv, Nm = _solve_blocks(A, BLOCK_L, SUB, LOG2_SUB, SOLVE_PRECISION)
+    kf = kd.to(tl.float32)
+    W = _solve(Dinv, Nm, (beta * eG)[:, None] * kf, n, BLOCK_L, SUB, BLOCK_K, SOLVE_PRECISION)
+    tl.store(w_ptr + t0l * sw_t + h * sw_h + l[:, None] * sw_t + kk[None, :], W.to(DT),
+             mask=lm[:, None] & (kk < K)[None, :])
+    vmask = lm[:, None] & (vv < V)[None, :]
+    v = tl.load(v_ptr + t0l * sv_t + h * sv_h + l[:, None] * sv_t + vv[None, :], mask=vmask, other=0.0).to(tl.float32)
+    U = _solve(Dinv, Nm, beta[:, None] * v, n, BLOCK_L, SUB, BLOCK_V, SOLVE_PRECISION)
+    tl.store(u_ptr + t0l * su_t + h * su_h + l[:, None] * su_t + vv[None, :], U, mask=vmask)
+
+
+@triton.jit(do_not_specialize=["num_chunks"])
+def _gdn_chunk_scan_kernel(
+    q_ptr, k_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, p_ptr, out_ptr, state_ptr,
+    qsl_ptr, init_ptr, cstart_ptr, cpage_ptr,
+    num_chunks, K, V, v_per_k, scale,
+    sq_t, sq_h, sk_t, sk_h, sa_t, sb_t, sw_t, sw_h, su_t, su_h, sp_c, sp_h, so_t, so_h, st_page, st_h, st_k,
+    BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, DOT_F32: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Phase 2 of the split prefill, one program per (sequence, value head, BLOCK_V state
+    columns), walking the sequence's chunks in order: v_new = U - W S, o = exp(G) q S + P v_new,
+    S' = exp(G_L) S + (k exp(G_L - G))^T v_new; checkpoints as the fused kernel writes them.
+    Four products a chunk and no solve: the chain of chunk steps of one long sequence is about a
+    third of the fused kernel's."""
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_start = tl.load(qsl_ptr + s)
+    seq_end = tl.load(qsl_ptr + s + 1)
+    if seq_start >= seq_end:
+        return
+    hk = h // v_per_k
+    DT: tl.constexpr = out_ptr.dtype.element_ty
+    kk = tl.arange(0, BLOCK_K)
+    vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    l = tl.arange(0, BLOCK_L)
+    km = kk < K
+    vm = vv < V
+    st_off = kk[:, None] * st_k + vv[None, :]
+    st_mask = km[:, None] & vm[None, :]
+    page = tl.load(init_ptr + s).to(tl.int64)
+    ok = st_mask & (tl.zeros(st_mask.shape, tl.int64) + page > 0)
+    state = tl.load(state_ptr + page * st_page + h * st_h + st_off, mask=ok, other=0.0).to(tl.float32)
+    neg_A = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+    dt_b = tl.load(dtb_ptr + h).to(tl.float32)
+    c_begin = _first_ge(cstart_ptr, num_chunks, seq_start)
+    c_end = _first_ge(cstart_ptr, num_chunks, seq_end)
+    for c in range(c_begin, c_end):
+        t0 = tl.load(cstart_ptr + c)
+        n = tl.load(cstart_ptr + c + 1) - t0
+        lm = l < n
+        t0l = t0.to(tl.int64)
+        # the chunk's q, k and decays again (cheaper than a round trip through memory)
+        g, to_end, _beta_unused = _chunk_gates(a_ptr, b_ptr, t0l, n, h, neg_A, dt_b, sa_t, sb_t, BLOCK_L)
+        qd = _dot_operand(_load_normed(q_ptr, t0l, hk, sq_t, sq_h, n, K, scale, BLOCK_L, BLOCK_K), DT, DOT_F32)
+        kn = _load_normed(k_ptr, t0l, hk, sk_t, sk_h, n, K, 1.0, BLOCK_L, BLOCK_K)
+        kw = _dot_operand(kn * tl.exp(to_end)[:, None], DT, DOT_F32)
+        eG = tl.exp(tl.cumsum(g, axis=0))
+        eGL = tl.exp(tl.sum(g, axis=0))
+        W = tl.load(w_ptr + t0l * sw_t + h * sw_h + l[:, None] * sw_t + kk[None, :], mask=lm[:, None] & km[None, :],
+                    other=0.0)
+        U = tl.load(u_ptr + t0l * su_t + h * su_h + l[:, None] * su_t + vv[None, :], mask=lm[:, None] & vm[None, :],
+                    other=0.0)
+        P = tl.load(p_ptr + (c + tl.zeros([], tl.int64)) * sp_c + h * sp_h + l[:, None] * BLOCK_L + l[None, :])
+        Sd = _dot_operand(state, DT, DOT_F32)
+        o_in = tl.dot(qd, Sd, input_precision=PRECISION) * eG[:, None]
+        x = U - tl.dot(_dot_operand(W.to(tl.float32), DT, DOT_F32), Sd, input_precision=PRECISION)
+        xd = _dot_operand(x, DT, DOT_F32)
+        o = tl.dot(_dot_operand(P.to(tl.float32), DT, DOT_F32), xd, o_in, input_precision=PRECISION)
+        tl.store(out_ptr + t0l * so_t + h * so_h + l[:, None] * so_t + vv[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=lm[:, None] & vm[None, :])
+        state = tl.dot(tl.trans(kw), xd, state * eGL, input_precision=PRECISION)
         wpage = tl.load(cpage_ptr + c).to(tl.int64)
         if wpage > 0:
             tl.store(state_ptr + wpage * st_page + h * st_h + st_off, state, mask=st_mask)
@@ -284,17 +435,29 @@ def _check_kernel_operands(q, k, v, a, b, state) -> None:
 
 
 def default_config(K: int, V: int, num_seqs_x_heads: int, device: torch.device) -> dict:
-    """BLOCK_V and launch options of the prefill kernel. A program holds its state [K, BLOCK_V]
+    """BLOCK_V, launch options and the form of the prefill. A program holds its state [K, BLOCK_V]
     (fp32), q and k [64, K], v and v_new [64, BLOCK_V] and three [64, 64] matrices (A, N, the
     decayed q k^T): at K = 128, BLOCK_V = 64 is ~32K fp32 values, 8 warps. BLOCK_V stays at 64
     even when a batch-1 prefill fills only part of the GPU: on an H200 with Triton 3.6, bf16
     operands at K = V = 128 with BLOCK_V 32 faulted (8 warps: an invalid shared-memory read under
     compute-sanitizer) or gave wrong outputs (4 warps, or an IEEE solve: relative error 0.5-0.9),
     and BLOCK_V 16 gave wrong outputs, while fp32 operands, K = 32, and BLOCK_V = 64 (4 or 8
-    warps) were right; `gated_delta_varlen` refuses those launches. Pass `config=` to override."""
+    warps) were right; `gated_delta_varlen` refuses those launches.
+
+    `split`: when the fused kernel's programs (a sequence's chunks walked in order by each) would
+    not fill the GPU four times over (a long prompt alone, a few prompts), the state-independent half of every chunk
+    (the solve) runs first for all chunks in parallel (`_gdn_chunk_prep_kernel`) and the walk
+    does four products a chunk (`_gdn_chunk_scan_kernel`), at the price of writing and reading
+    W, U and P (about 1.8 KB per token and value head). Pass `config=` to override any of it."""
     bv = min(64, max(16, triton.next_power_of_2(V)))
     bk = max(16, triton.next_power_of_2(K))
-    return {"BLOCK_V": bv, "num_warps": 8 if bk * bv >= 4096 else 4, "num_stages": 2}
+    sms = _num_sms(device) if device.type == "cuda" else 132
+    split = num_seqs_x_heads * triton.cdiv(V, bv) < 4 * sms
+    # H200, K = V = 128, 32 heads (`python -m kernels.bench.gated_delta --sweep`): the split walk
+    # of one 8,192-token sequence 1.23 ms with 8 warps against 1.43 with 4; the fused kernel over
+    # 8 x 1,024 tokens 0.98 ms with 4 warps against 1.22 with 8 (the split form: 0.85-0.90).
+    warps = (8 if split else 4) if bk * bv >= 4096 else 4
+    return {"BLOCK_V": bv, "num_warps": warps, "num_stages": 2, "split": split}
 
 
 def decode_config(K: int, V: int, programs_per_column_block: int, device: torch.device) -> dict:
@@ -336,22 +499,40 @@ def gated_delta_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: tor
     assert out.shape == (T, Hv, V) and out.stride(-1) == 1
     if S == 0 or NC == 0:
         return out
-    cfg = config or default_config(K, V, S * Hv, v.device)
+    cfg = {**default_config(K, V, S * Hv, v.device), **(config or {})}
     block_v = cfg["BLOCK_V"]
     if v.dtype != torch.float32 and K > 32 and block_v < min(64, V) and v.device.type == "cuda":
         raise ValueError(f"gated_delta_varlen: BLOCK_V={block_v} with {v.dtype} operands and K={K} is refused: on an "
                          f"H200 with Triton 3.6 such launches faulted (an invalid shared-memory read) or gave wrong "
                          f"outputs (relative error 0.5-0.9); BLOCK_V=64 runs")
-    _gdn_varlen_kernel[(S, Hv, triton.cdiv(V, block_v))](
-        q, k, v, a, b, A_log, dt_bias, out, state, query_start_loc, init_page, chunk_start, chunk_page,
-        NC, K, V, Hv // Hk, K ** -0.5,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
-        out.stride(0), out.stride(1), state.stride(0), state.stride(1), state.stride(2),
-        BLOCK_L=GDN_MAX_CHUNK, SUB=_SUB, LOG2_SUB=_SUB.bit_length() - 1, BLOCK_K=max(16, triton.next_power_of_2(K)),
-        BLOCK_V=block_v, DOT_F32=_interpreter_bf16(v),
-        PRECISION="ieee" if v.dtype == torch.float32 else "tf32",
-        SOLVE_PRECISION="ieee" if v.dtype == torch.float32 else "tf32",
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    common = dict(BLOCK_L=GDN_MAX_CHUNK, BLOCK_K=max(16, triton.next_power_of_2(K)), DOT_F32=_interpreter_bf16(v),
+                  PRECISION="ieee" if v.dtype == torch.float32 else "tf32")
+    solve = dict(SUB=_SUB, LOG2_SUB=_SUB.bit_length() - 1,
+                 SOLVE_PRECISION="ieee" if v.dtype == torch.float32 else "tf32")
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1))
+    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    grid = (S, Hv, triton.cdiv(V, block_v))
+    if not cfg["split"]:
+        _gdn_varlen_kernel[grid](
+            q, k, v, a, b, A_log, dt_bias, out, state, query_start_loc, init_page, chunk_start, chunk_page,
+            NC, K, V, Hv // Hk, K ** -0.5, *strides, v.stride(0), v.stride(1), a.stride(0), b.stride(0),
+            out.stride(0), out.stride(1), state.stride(0), state.stride(1), state.stride(2),
+            BLOCK_V=block_v, **common, **solve, **launch)
+        return out
+    L = GDN_MAX_CHUNK
+    w = torch.empty((T, Hv, K), dtype=v.dtype, device=v.device)
+    u = torch.empty((T, Hv, V), dtype=torch.float32, device=v.device)
+    p = torch.empty((NC, Hv, L, L), dtype=v.dtype, device=v.device)
+    _gdn_chunk_prep_kernel[(NC, Hv)](
+        q, k, v, a, b, A_log, dt_bias, w, u, p, chunk_start, K, V, Hv // Hk, K ** -0.5,
+        *strides, v.stride(0), v.stride(1), a.stride(0), b.stride(0), w.stride(0), w.stride(1), u.stride(0),
+        u.stride(1), p.stride(0), p.stride(1), BLOCK_V=max(16, triton.next_power_of_2(V)), **common, **solve,
+        num_warps=8, num_stages=1)
+    _gdn_chunk_scan_kernel[grid](
+        q, k, a, b, A_log, dt_bias, w, u, p, out, state, query_start_loc, init_page, chunk_start, chunk_page,
+        NC, K, V, Hv // Hk, K ** -0.5, *strides, a.stride(0), b.stride(0), w.stride(0), w.stride(1), u.stride(0),
+        u.stride(1), p.stride(0), p.stride(1), out.stride(0), out.stride(1), state.stride(0), state.stride(1),
+        state.stride(2), BLOCK_V=block_v, **common, **launch)
     return out
 
 

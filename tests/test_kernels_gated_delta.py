@@ -246,11 +246,17 @@ VARLEN_CASES = {
 
 # fp16 runs the 16-bit products as such under the interpreter (bf16 ones are emulated in fp32
 # from the rounded operands, kernels/paged_attention.py::_interpreter_bf16)
-@pytest.mark.parametrize("impl", [gated_delta_varlen, gated_delta_varlen_ref], ids=["triton", "torch"])
+# "fused": one kernel walks each sequence's chunks; "split": the chunks' solves first, in parallel,
+# then the walk (what a long prompt alone gets)
+@pytest.mark.parametrize("impl", [(gated_delta_varlen, False), (gated_delta_varlen, True),
+                                  (gated_delta_varlen_ref, None)], ids=["triton-fused", "triton-split", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", list(VARLEN_CASES))
 def test_varlen(impl, dtype, case):
+    impl, split = impl
     Hk, Hv, K, V, qlens, computed, bs, corr, strong, config = VARLEN_CASES[case]
+    if split is not None:
+        config = {**(config or {}), "split": split}
     seed = len(case) + {torch.float32: 0, torch.bfloat16: 7, torch.float16: 3}[dtype]
     batch = Batch(qlens, seed, block_size=bs, computed=computed)
     inputs = make_inputs(batch.T, Hk, Hv, K, V, dtype, seed, corr, strong)
@@ -284,10 +290,12 @@ def test_varlen_at_the_published_head_size_on_a_gpu(dtype):
     buf, state = state_pool(batch.num_pages, batch.read, Hv, K, V, 5)
     before = state.clone()
     ref, pages = expected(batch, inputs, before)
-    out = torch.full((batch.T, Hv, V), float("nan"), device=DEVICE, dtype=dtype)
-    gated_delta_varlen(*inputs, state, *batch.args(), out=out)
-    assert rel_err(out, ref) < VARLEN_TOL[dtype]
-    check_pages(state, before, pages, VARLEN_TOL[dtype], buf)
+    for split in (False, True):
+        state.copy_(before)
+        out = torch.full((batch.T, Hv, V), float("nan"), device=DEVICE, dtype=dtype)
+        gated_delta_varlen(*inputs, state, *batch.args(), out=out, config={"split": split})
+        assert rel_err(out, ref) < VARLEN_TOL[dtype], split
+        check_pages(state, before, pages, VARLEN_TOL[dtype], buf)
     if dtype != torch.float32:
         with pytest.raises(ValueError, match="BLOCK_V=32"):
             gated_delta_varlen(*inputs, state, *batch.args(), out=out,

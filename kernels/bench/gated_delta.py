@@ -15,7 +15,7 @@ key heads, Hv = 32 value heads, K = V = 128; bf16 activations, fp32 states), on 
 
     python -m kernels.bench.gated_delta [--sweep]   (--sweep: also the launch configurations, the
                                                      prefill's each in a process of its own)
-    python -m kernels.bench.gated_delta --config BLOCK_V,NUM_WARPS,NUM_STAGES   (one prefill launch)
+    python -m kernels.bench.gated_delta --config BLOCK_V,NUM_WARPS,NUM_STAGES,SPLIT   (one prefill launch)
 
 The input builders work on any device (tests build tiny inputs on CPU).
 """
@@ -102,7 +102,8 @@ def hf_chunk(inp: dict, batch: int, seq_len: int) -> torch.Tensor:
 
 # (BLOCK_V 16 and 32 at K = 128 with bf16 operands are refused by gated_delta_varlen: see its
 # default_config)
-PREFILL_SWEEP = [{"BLOCK_V": 64, "num_warps": nw, "num_stages": ns} for nw in (4, 8) for ns in (1, 2, 3)]
+PREFILL_SWEEP = [{"BLOCK_V": 64, "num_warps": nw, "num_stages": ns, "split": sp} for sp in (False, True)
+                 for nw in (4, 8) for ns in (1, 2)]
 DECODE_SWEEP = [{"BLOCK_V": bv, "num_warps": nw} for bv in (8, 16, 32, 64) for nw in (1, 2, 4)]
 PREFILL_CASES = ((1, 8192), (8, 1024))
 COLUMNS = ["op", "shape", "us", "graph_us", "torch_us", "gbps", "vs_copy", "tflops", "vs_mma", "rel_err"]
@@ -161,7 +162,7 @@ def _fmt_row(r: dict) -> str:
 
 
 def _prefill_isolated(configs: list[str]) -> None:
-    """Each prefill launch configuration ("default" or "BLOCK_V,num_warps,num_stages") timed in
+    """Each prefill launch configuration ("default" or "BLOCK_V,num_warps,num_stages,split") timed in
     a process of its own: one that faults (an illegal address ends the CUDA context) is
     reported, and the others are still timed."""
     import subprocess
@@ -182,7 +183,7 @@ def main() -> int:
     args = sys.argv[1:]
     if "--config" in args:  # one prefill launch configuration, in this process
         arg = args[args.index("--config") + 1]
-        cfg = None if arg == "default" else dict(zip(("BLOCK_V", "num_warps", "num_stages"),
+        cfg = None if arg == "default" else dict(zip(("BLOCK_V", "num_warps", "num_stages", "split"),
                                                       (int(x) for x in arg.split(","))))
         for row in bench_gated_delta("cuda", parts=("prefill",), prefill_configs=[cfg]):
             print(_fmt_row(row), flush=True)
@@ -192,7 +193,7 @@ def main() -> int:
     sweep = "--sweep" in args
     for row in bench_gated_delta("cuda", sweep=sweep, parts=("decode",)):
         print(_fmt_row(row), flush=True)
-    _prefill_isolated(["default"] + [f"{c['BLOCK_V']},{c['num_warps']},{c['num_stages']}"
+    _prefill_isolated(["default"] + [f"{c['BLOCK_V']},{c['num_warps']},{c['num_stages']},{int(c['split'])}"
                                      for c in (PREFILL_SWEEP if sweep else [])])
     return 0
 
