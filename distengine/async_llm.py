@@ -206,6 +206,7 @@ class AsyncLLM:
 
     def _abort(self, engine_id: str) -> None:
         if self._forget(engine_id):
+            self.metrics.count_finished("abort")
             self.engine.send(AbortRequest(engine_id))
 
     def collective_rpc(self, method: str | Callable, args: tuple = (), ranks: list[int] | None = None) -> list:
@@ -274,6 +275,7 @@ class AsyncLLM:
                 self._outbox.put(stream, st.delta())
         for st in step.finished:
             self.metrics.e2e.observe(now - st.arrival_time)
+            self.metrics.count_finished(st.finish_reason)
             self._forget(st.req_id)
         self._outbox.flush()
         self._record_state(stats)

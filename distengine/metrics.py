@@ -1,7 +1,8 @@
-"""Prometheus metrics of a serving engine, with vLLM's metric names under our prefix. `AsyncLLM`
-records them from each step's outputs and the scheduler's figures (prometheus_client's metrics are
-thread-safe); the server exposes the registry at /metrics. `StatsLogger` writes vLLM's periodic
-log line from the same counts."""
+"""Prometheus metrics of a serving engine, with vLLM's metric names and labels under our prefix,
+and each again under vLLM's own prefix (`vllm:`), so that vLLM's dashboards and alerts read them
+unchanged. `AsyncLLM` records them from each step's outputs and the scheduler's figures
+(prometheus_client's metrics are thread-safe); the server exposes the registry at /metrics.
+`StatsLogger` writes vLLM's periodic log line from the same counts."""
 from __future__ import annotations
 
 import logging
@@ -9,6 +10,9 @@ import logging
 from distengine.scheduler import SchedulerStats
 
 PREFIX = "distengine:"
+VLLM_PREFIX = "vllm:"
+# vLLM's finish reasons, each a label of `request_success` from the start (a dashboard sees 0, not nothing).
+FINISH_REASONS = ("stop", "length", "abort", "error")
 # Seconds: from a millisecond to minutes (vLLM's buckets, roughly).
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0, 640.0)
@@ -19,15 +23,22 @@ class EngineMetrics:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
         self.registry = registry if registry is not None else CollectorRegistry()
         names, labels, reg = ["model_name"], {"model_name": model_name}, self.registry
+        self._ours: list = []  # every metric, for their `vllm:` copies
+        reg.register(_Renamed(self._ours, PREFIX, VLLM_PREFIX))
+
+        def mine(metric):
+            self._ours.append(metric)
+            return metric
 
         def gauge(name: str, text: str):
-            return Gauge(PREFIX + name, text, names, registry=reg).labels(**labels)
+            return mine(Gauge(PREFIX + name, text, names, registry=reg)).labels(**labels)
 
         def counter(name: str, text: str):  # exposed as NAME_total
-            return Counter(PREFIX + name, text, names, registry=reg).labels(**labels)
+            return mine(Counter(PREFIX + name, text, names, registry=reg)).labels(**labels)
 
         def histogram(name: str, text: str):
-            return Histogram(PREFIX + name, text, names, buckets=LATENCY_BUCKETS, registry=reg).labels(**labels)
+            metric = Histogram(PREFIX + name, text, names, buckets=LATENCY_BUCKETS, registry=reg)
+            return mine(metric).labels(**labels)
 
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
@@ -40,6 +51,9 @@ class EngineMetrics:
         self.ttft = histogram("time_to_first_token_seconds", "Time from a request's arrival to its first token.")
         self.itl = histogram("inter_token_latency_seconds", "Time between two tokens of a request.")
         self.e2e = histogram("e2e_request_latency_seconds", "Time from a request's arrival to its end.")
+        success = mine(Counter(PREFIX + "request_success", "Requests finished, by finish reason.",
+                               names + ["finished_reason"], registry=reg))
+        self.request_success = {r: success.labels(finished_reason=r, **labels) for r in FINISH_REASONS}
         self._seen = (0, 0, 0)  # prefix queries, prefix hits, preemptions already counted
         self.prompt_total = 0      # the counters' values, for the log line
         self.generation_total = 0
@@ -48,8 +62,15 @@ class EngineMetrics:
         """vLLM's `cache_config_info`: the pool's size as labels of a gauge set to 1 (with the usage
         gauge, what tells the blocks in use)."""
         from prometheus_client import Gauge
-        Gauge(PREFIX + "cache_config_info", "The KV cache's configuration.", ["num_gpu_blocks", "block_size"],
-              registry=self.registry).labels(num_gpu_blocks=str(num_gpu_blocks), block_size=str(block_size)).set(1)
+        info = Gauge(PREFIX + "cache_config_info", "The KV cache's configuration.", ["num_gpu_blocks", "block_size"],
+                     registry=self.registry)
+        info.labels(num_gpu_blocks=str(num_gpu_blocks), block_size=str(block_size)).set(1)
+        self._ours.append(info)
+
+    def count_finished(self, reason: str) -> None:
+        counter = self.request_success.get(reason)
+        if counter is not None:
+            counter.inc()
 
     def count_prompt(self, tokens: int) -> None:
         self.prompt_tokens.inc(tokens)
@@ -77,6 +98,25 @@ class EngineMetrics:
     def text(self) -> bytes:
         from prometheus_client import generate_latest
         return generate_latest(self.registry)
+
+
+class _Renamed:
+    """A collector that shows `metrics` again with `old` prefix replaced by `new`, built from
+    their values at each scrape: one metric to update, two names to read."""
+
+    def __init__(self, metrics: list, old: str, new: str) -> None:
+        self.metrics, self.old, self.new = metrics, old, new
+
+    def _name(self, name: str) -> str:
+        return self.new + name[len(self.old):]
+
+    def collect(self):
+        from prometheus_client.metrics_core import Metric
+        for metric in list(self.metrics):
+            for family in metric.collect():
+                copy = Metric(self._name(family.name), family.documentation, family.type, family.unit)
+                copy.samples = [s._replace(name=self._name(s.name)) for s in family.samples]
+                yield copy
 
 
 class StatsLogger:

@@ -11,94 +11,23 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
-openai = pytest.importorskip("openai")
+pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("ray")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KEY = "test-key"
-TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'robot' %}{{ raise_exception('no robots here') }}{% endif %}"
-            "{{ m['role'] }} : {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}assistant :{% endif %}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, model: str, *extra: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "DISTENGINE_API_KEY": KEY, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "serve", model, "--device", "cpu",
-                                      "--dtype", "float32", "--max-model-len", "256", "--port", str(self.port), *extra],
-                                     cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.proc.stdout.read()
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        else:
-            raise AssertionError("the server did not start")
-        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0)
-
-    def post(self, path: str, body, key: str | None = KEY, raw: bool = False) -> httpx.Response:
-        headers = {"Content-Type": "application/json"}
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
-        return httpx.post(self.url + path, content=body if raw else json.dumps(body), headers=headers, timeout=60)
-
-    def metric(self, name: str) -> float:
-        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
-            if line.startswith(f"distengine:{name}{{"):
-                return float(line.rsplit(" ", 1)[1])
-        raise KeyError(name)
-
-    def wait_idle(self, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.metric("num_requests_running") == 0 and self.metric("kv_cache_usage_perc") == 0:
-                return
-            time.sleep(0.2)
-        raise AssertionError(f"still busy: running {self.metric('num_requests_running')}, "
-                             f"KV {self.metric('kv_cache_usage_perc')}")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+from tests.server_harness import KEY, ROOT, Server, build_served_model, free_port  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    from launch.demo import build_model
-    folder = str(tmp_path_factory.mktemp("served"))
-    build_model(folder)
-    tok = AutoTokenizer.from_pretrained(folder)
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(folder)
-    return folder
+    return build_served_model(str(tmp_path_factory.mktemp("served")))
 
 
 @pytest.fixture(scope="module")
@@ -353,6 +282,90 @@ def test_48_concurrent_streams(server):
         texts = list(pool.map(one, range(48)))
     assert len(texts) == 48 and all(texts)
     server.wait_idle(10)
+
+
+def test_x_request_id_is_echoed_and_names_the_completion(server):
+    """vLLM's X-Request-Id: back in the response's headers (a stream's, an error's), and the
+    completion's id, behind OpenAI's prefix; the body's request_id when no header gives one."""
+    raw = server.client.completions.with_raw_response.create(model=server_model(server.client), prompt="what is water",
+                                                             max_tokens=2, extra_headers={"X-Request-Id": "job-7"})
+    assert raw.headers["x-request-id"] == "job-7" and raw.parse().id == "cmpl-job-7"
+    body = {"messages": [{"role": "user", "content": "who made oil"}], "max_tokens": 3, "stream": True}
+    with server.http.stream("POST", server.url + "/v1/chat/completions", json=body,
+                            headers={"Authorization": f"Bearer {KEY}", "X-Request-Id": "chat-8"}) as r:
+        assert r.headers["x-request-id"] == "chat-8"
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert len(chunks) >= 3 and {c["id"] for c in chunks} == {"chatcmpl-chat-8"}
+    r = server.post("/v1/completions", {"prompt": "x", "temperature": -1}, headers={"X-Request-Id": "bad-9"})
+    assert r.status_code == 400 and r.headers["x-request-id"] == "bad-9"
+    r = server.post("/v1/completions", {"prompt": "x", "max_tokens": 1, "request_id": "body-1"})
+    assert r.json()["id"] == "cmpl-body-1" and "x-request-id" not in r.headers
+    r = server.post("/v1/completions", {"prompt": "x", "max_tokens": 1, "request_id": "body-2"},
+                    headers={"X-Request-Id": "head-2"})
+    assert r.json()["id"] == "cmpl-head-2"
+
+
+def test_two_requests_under_one_x_request_id_both_run(server):
+    """A client may send the same id twice at once: both echo it and both run to the end (the
+    engine knows each by an id of its own)."""
+    auth = {"Authorization": f"Bearer {KEY}", "X-Request-Id": "twin"}
+    body = {"prompt": "what is water", "max_tokens": 120, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with server.http.stream("POST", server.url + "/v1/completions", json=body, headers=auth) as first:
+        lines = first.iter_lines()
+        next(lines)  # the first one is running
+        assert server.metric("num_requests_running") == 1
+        second = server.post("/v1/completions", {"prompt": "what is water", "max_tokens": 8, "temperature": 0,
+                                                 "ignore_eos": True}, headers={"X-Request-Id": "twin"})
+        rest = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert second.status_code == 200, second.text
+    assert second.headers["x-request-id"] == "twin" and second.json()["id"] == "cmpl-twin"
+    assert second.json()["usage"]["completion_tokens"] == 8
+    assert first.headers["x-request-id"] == "twin" and rest[-1]["usage"]["completion_tokens"] == 120
+    assert rest[-2]["choices"][0]["finish_reason"] == "length" and {c["id"] for c in rest} == {"cmpl-twin"}
+    server.wait_idle()
+
+
+def _samples(server) -> dict[str, float]:
+    """Every sample of /metrics, by name and labels, as one scrape shows them."""
+    lines = server.http.get(server.url + "/metrics").text.splitlines()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if line and line[0] != "#"}
+
+
+VLLM_METRICS = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
+                "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
+                "time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket",
+                "e2e_request_latency_seconds_bucket", "request_success_total")
+
+
+def test_metrics_also_under_vllm_names(server):
+    """Each metric again under vLLM's name, with its labels (model_name; finished_reason for
+    request_success) and the same value."""
+    name = server_model(server.client)
+    success = f'vllm:request_success_total{{finished_reason="length",model_name="{name}"}}'
+    before = _samples(server)
+    server.client.completions.create(model=name, prompt="what is water", max_tokens=3, extra_body={"ignore_eos": True})
+    server.wait_idle()
+    after = _samples(server)
+    for metric in VLLM_METRICS:
+        assert any(k.startswith(f"vllm:{metric}{{") and f'model_name="{name}"' in k for k in after), metric
+    ours = {k: v for k, v in after.items() if k.startswith("distengine:")}
+    assert ours and all(after["vllm:" + k[len("distengine:"):]] == v for k, v in ours.items())
+    assert len([k for k in after if k.startswith("vllm:")]) == len(ours)
+    assert after[success] == before[success] + 1
+    assert after[success.replace("vllm:", "distengine:")] == after[success]
+
+
+def test_cors_preflight_is_answered(server):
+    """vLLM's CORS defaults (any origin, method and header): a browser's preflight gets its 200,
+    before any API key is asked for, and the answer names the origin allowed."""
+    asked = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+             "Access-Control-Request-Headers": "authorization, content-type"}
+    r = server.http.options(server.url + "/v1/completions", headers=asked)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    assert "POST" in r.headers["access-control-allow-methods"]
+    r = server.post("/v1/completions", {"prompt": "x", "max_tokens": 1}, headers={"Origin": "http://app.example"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
 
 
 def test_bench_serve_against_the_server(server, tmp_path):

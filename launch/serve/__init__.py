@@ -12,9 +12,15 @@ error event and `[DONE]`), shuts the workers down and frees their placement grou
 When the engine dies, every request in flight ends with an error and the server exits with
 status 1, so that a supervisor restarts it.
 
+Every flag is checked before the engine starts, and the address taken: a chat template that does
+not compile, a generation config or TLS file that cannot be read, a port in use, end the command
+at once with status 2 and one line naming it.
+
 This module is the command (arguments, engine, uvicorn, signals); it imports nothing heavy, so
-that `distengine --help` stays fast. The application is `launch.serve.app.build_app`; the wire
-format `launch.serve.protocol`; the endpoints `launch.serve.routes`; errors `launch.serve.errors`.
+that `distengine --help` stays fast. The application is `launch.serve.app.build_app` (its options
+`launch.serve.options`); the wire format `launch.serve.protocol`; the endpoints
+`launch.serve.routes`; errors `launch.serve.errors`; the address and TLS files
+`launch.serve.listen`; the request log `launch.serve.request_log`.
 """
 
 import contextlib
@@ -56,6 +62,41 @@ def add_arguments(p) -> None:
     p.add_argument("--disable-log-stats", action="store_true",
                    help="no stats line (throughputs, requests, KV cache usage, prefix hit rate) every "
                         "$DISTENGINE_LOG_STATS_INTERVAL seconds (default 10) while there is work")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template, or a file holding one, for chat completions and /tokenize "
+                        "(default: the tokenizer's)")
+    p.add_argument("--generation-config", default="auto",
+                   help="sampling defaults for the fields a request leaves out (temperature, top_p, top_k, "
+                        "min_p, repetition_penalty, max_new_tokens): 'auto' from the model's "
+                        "generation_config.json, 'vllm' none, or a folder holding a generation_config.json")
+    p.add_argument("--enable-log-requests", action="store_true",
+                   help="log each request (its id, prompt and sampling params) at INFO on stdout")
+    p.add_argument("--max-log-len", type=int, default=None,
+                   help="characters of the prompt, and prompt token ids, in a request's log line (default: all)")
+    p.add_argument("--allowed-origins", type=_json_list, default=["*"], help="CORS: allowed origins, a JSON list")
+    p.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS: allowed methods, a JSON list")
+    p.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS: allowed headers, a JSON list")
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    p.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this PEM certificate (chain)")
+    p.add_argument("--ssl-keyfile", default=None, help="the certificate's key, when --ssl-certfile does not hold it")
+    p.add_argument("--ssl-ca-certs", default=None, help="CA certificates a client's certificate must come from")
+    p.add_argument("--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
+                   help="a client certificate: 0 not asked for, 1 optional, 2 required (Python's ssl.CERT_*)")
+    p.add_argument("--root-path", default="",
+                   help="the path prefix of a proxy in front of the server that strips it (the ASGI root_path, "
+                        "for /docs and the OpenAPI schema), like /api")
+
+
+def _json_list(text: str) -> list[str]:
+    import argparse
+    import json
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, like '[\"*\"]', got {text!r}")
+    return value
 
 
 def run(args) -> int:
@@ -65,36 +106,74 @@ def run(args) -> int:
         raise ImportError(f"distengine serve needs the server's packages: pip install 'distengine[serve]' ({e})") from e
     from distengine.async_llm import AsyncLLM
     from launch.serve.app import build_app
+    from launch.serve.listen import bind
     names = args.served_model_name or [args.model]
     interval = None if args.disable_log_stats else _stats_interval()
-    engine = AsyncLLM(args.model, metrics_name=names[0], log_stats_interval=interval,
-                      tensor_parallel_size=args.tensor_parallel_size,
-                      tokenizer=args.tokenizer, max_model_len=args.max_model_len,
-                      gpu_memory_utilization=args.gpu_memory_utilization,
-                      kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs,
-                      max_num_batched_tokens=args.max_num_batched_tokens,
-                      enable_prefix_caching=not args.no_enable_prefix_caching, enforce_eager=args.enforce_eager,
-                      mamba_checkpoint_interval=args.mamba_checkpoint_interval,
-                      dtype=args.dtype, device=args.device, ray_address=args.ray_address,
-                      load_format=args.load_format)
+    options, tls = _checked_options(args)
+    sock = bind(args.host, args.port)
     try:
-        app = build_app(engine, names, args.api_key or os.environ.get("DISTENGINE_API_KEY") or None)
+        engine = AsyncLLM(args.model, metrics_name=names[0], log_stats_interval=interval,
+                          tensor_parallel_size=args.tensor_parallel_size,
+                          tokenizer=args.tokenizer, max_model_len=args.max_model_len,
+                          gpu_memory_utilization=args.gpu_memory_utilization,
+                          kv_cache_memory_bytes=args.kv_cache_memory_bytes, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          enable_prefix_caching=not args.no_enable_prefix_caching, enforce_eager=args.enforce_eager,
+                          mamba_checkpoint_interval=args.mamba_checkpoint_interval,
+                          dtype=args.dtype, device=args.device, ray_address=args.ray_address,
+                          load_format=args.load_format)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        app = build_app(engine, names, options)
         verbose = bool(os.environ.get("DISTENGINE_VERBOSE"))
         server = _uvicorn_server(uvicorn.Config(app, host=args.host, port=args.port,
                                                 log_level="info" if verbose else "warning", access_log=verbose,
-                                                timeout_graceful_shutdown=args.shutdown_timeout + CUT_GRACE_S),
+                                                timeout_graceful_shutdown=args.shutdown_timeout + CUT_GRACE_S,
+                                                ssl_certfile=tls.certfile, ssl_keyfile=tls.keyfile,
+                                                ssl_ca_certs=tls.ca_certs, ssl_cert_reqs=tls.cert_reqs,
+                                                root_path=args.root_path),
                                  engine, args.shutdown_timeout)
         # A dead engine cannot come back: the server ends (status 1) so that a supervisor restarts it.
         threading.Thread(target=_stop_when_dead, args=(engine, server), name="distengine-watch", daemon=True).start()
-        print(f"distengine serve: {names[0]} on http://{args.host}:{args.port}/v1 "
+        scheme = "https" if tls.enabled else "http"
+        print(f"distengine serve: {names[0]} on {scheme}://{args.host}:{args.port}/v1 "
               f"(max_model_len {engine.max_model_len}, TP={args.tensor_parallel_size})", flush=True)
-        server.run()
+        server.run(sockets=[sock])
     finally:
+        sock.close()
         engine.shutdown()
     if engine.dead is not None:
         print(f"distengine serve: the engine died ({engine.dead}); exiting", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def _checked_options(args):
+    """The server's options and TLS files from the flags, each checked (ValueError naming the
+    flag), before anything is loaded; the sampling defaults taken are logged, as vLLM logs them."""
+    from distengine.generation_config import sampling_defaults
+    from launch.serve.listen import TLSFiles
+    from launch.serve.options import ServerOptions, load_chat_template
+    from launch.serve.request_log import LOGGER
+    tls = TLSFiles(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+    tls.check()
+    defaults = sampling_defaults(args.generation_config, args.model)
+    options = ServerOptions(api_key=args.api_key or os.environ.get("DISTENGINE_API_KEY") or None,
+                            chat_template=load_chat_template(args.chat_template) if args.chat_template else None,
+                            sampling_defaults=defaults, log_requests=args.enable_log_requests,
+                            max_log_len=args.max_log_len, allowed_origins=tuple(args.allowed_origins),
+                            allowed_methods=tuple(args.allowed_methods), allowed_headers=tuple(args.allowed_headers),
+                            allow_credentials=args.allow_credentials)
+    if args.root_path and (not args.root_path.startswith("/") or args.root_path.endswith("/")):
+        raise ValueError(f"--root-path must start with '/' and not end with one, like '/api', got {args.root_path!r}")
+    _log_to_stdout(LOGGER)
+    if defaults.given():
+        source = "the model's " if args.generation_config == "auto" else f"{args.generation_config}/"
+        LOGGER.info("Using default sampling params from %sgeneration_config.json (--generation-config vllm: none): "
+                    "%s", source, defaults.given())
+    return options, tls
 
 
 # Seconds past --shutdown-timeout for the requests cut then to send their error event and [DONE].
@@ -118,14 +197,19 @@ def _stats_interval() -> float:
         interval = float("nan")
     if not interval > 0:
         raise ValueError(f"DISTENGINE_LOG_STATS_INTERVAL must be a number of seconds > 0, got {text!r}")
-    logger = logging.getLogger("distengine.stats")
+    _log_to_stdout(logging.getLogger("distengine.stats"))
+    return interval
+
+
+def _log_to_stdout(logger) -> None:
+    """A logger of the server's own lines (INFO and up) on stdout, where its banner goes."""
+    import logging
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stdout)
         handler.setFormatter(logging.Formatter("%(asctime)s distengine: %(message)s", "%H:%M:%S"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
         logger.propagate = False
-    return interval
 
 
 def _uvicorn_server(config, engine, shutdown_timeout: float):

@@ -1,8 +1,13 @@
 """A /v1/completions or /v1/chat/completions request once its route has admitted it (a chat is
 a completion of its templated prompt): every prompt checked by the engine, then the outputs,
 whole or as server-sent events ending with `data: [DONE]`. A client that disconnects has its
-requests aborted at once."""
+requests aborted at once.
+
+The response's id is the client's X-Request-Id header (else the body's `request_id`, else a new
+one) behind OpenAI's prefix, as vLLM's; the engine knows each prompt by that id, its index and a
+random suffix, so that two requests a client sends under one id both run."""
 import asyncio
+import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from distengine.executor import EngineDeadError, RequestError
+from distengine.generation_config import SamplingDefaults
 from distengine.sampling_params import SamplingParams
 from launch.serve.errors import APIError, bad_input, died_message, error_body, not_running
 from launch.serve.protocol import SSE_DONE, ResponseBuilder, sse, usage
@@ -22,30 +28,38 @@ async def create_completion(state: ServerState, req, raw: Request, prompts: list
     """The response to `req` (a `CompletionRequest` or `ChatCompletionRequest`) for `prompts`."""
     name = state.model_name(req.model)
     try:
-        sp, checked = await _check(state.engine, req, prompts, logprobs)
+        sp, checked = await _check(state.engine, req, prompts, logprobs, state.sampling_defaults)
     except (ValueError, TypeError) as e:
         raise bad_input(e) from None
     except EngineDeadError as e:
         raise not_running(e) from None
     top = (getattr(req, "top_logprobs", None) or 0) if chat else 0
-    run = _Generation(state.engine, checked, sp, ResponseBuilder.start(name, chat, state.tokenizer, top))
+    reply = ResponseBuilder.start(name, chat, state.tokenizer, top, raw.headers.get("x-request-id") or req.request_id)
+    suffix = secrets.token_hex(4)
+    run = _Generation(state.engine, checked, sp, reply, [f"{reply.id}-{i}-{suffix}" for i in range(len(checked))])
+    if state.request_logger is not None:
+        for rid, (text, ids) in zip(run.request_ids, checked):
+            state.request_logger.log(rid, text, ids, sp)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(run.events(include_usage), media_type="text/event-stream")
     return await run.whole(raw, with_logprobs=logprobs is not None)
 
 
-async def _check(engine, req, prompts: list, logprobs: int | None) -> tuple[SamplingParams, list]:
-    """(sampling params, [(text, token ids)]) of a request, every prompt checked; without
-    max_tokens a request may fill the context (the longest prompt decides)."""
+async def _check(engine, req, prompts: list, logprobs: int | None,
+                 defaults: SamplingDefaults) -> tuple[SamplingParams, list]:
+    """(sampling params, [(text, token ids)]) of a request, every prompt checked. Without
+    max_tokens a request gets the server's default cut to the context left, else may fill it
+    (the longest prompt decides), as vLLM's."""
     if not prompts:
         raise ValueError("prompt: must not be empty")
     max_tokens = req.requested_max_tokens()
-    sp = req.to_sampling_params(max_tokens, logprobs)
+    sp = req.to_sampling_params(max_tokens, logprobs, defaults)
     out = [await asyncio.to_thread(engine.check, p, sp, i) for i, p in enumerate(prompts)]
     longest = max(len(ids) for _, ids in out)
     if max_tokens is None:
-        sp = req.to_sampling_params(max(1, engine.max_model_len - longest), logprobs)
+        room = max(1, engine.max_model_len - longest)
+        sp = req.to_sampling_params(min(room, defaults.max_tokens or room), logprobs, defaults)
     if longest + sp.max_tokens > engine.max_model_len:
         raise ValueError(f"max_tokens: this model's maximum context length is {engine.max_model_len} tokens; "
                          f"the request asks for {longest + sp.max_tokens} ({longest} in the prompt, "
@@ -82,6 +96,7 @@ class _Generation:
     checked: list  # [(text, token ids)] per prompt, as `AsyncLLM.check` returns them
     sampling_params: SamplingParams
     reply: ResponseBuilder
+    request_ids: list[str]  # the engine's, one per prompt
 
     @property
     def prompt_tokens(self) -> int:
@@ -90,16 +105,16 @@ class _Generation:
     async def outputs(self) -> AsyncIterator[tuple]:
         """(prompt index, delta) pairs of every prompt, merged as they come; the client going away
         cancels them all (their requests are aborted)."""
-        sp, rid = self.sampling_params, self.reply.id
+        sp, ids = self.sampling_params, self.request_ids
         if len(self.checked) == 1:  # no merging: each token costs the event loop less
-            async for out in self.engine.generate(None, sp, f"{rid}-0", checked=self.checked[0]):
+            async for out in self.engine.generate(None, sp, ids[0], checked=self.checked[0]):
                 yield 0, out
             return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, pair) -> None:
             try:
-                async for out in self.engine.generate(None, sp, f"{rid}-{i}", checked=pair):
+                async for out in self.engine.generate(None, sp, ids[i], checked=pair):
                     await queue.put((i, out))
             except BaseException as e:  # noqa: BLE001 - handed to the consumer
                 await queue.put((i, e))

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
+from distengine.generation_config import SamplingDefaults
 from distengine.inputs import check_message_content
 from distengine.limits import MAX_MESSAGES, MAX_PROMPTS_PER_REQUEST, MAX_TOKEN_IDS, bad_text
 from distengine.sampling_params import SamplingParams
@@ -99,6 +100,7 @@ class _Sampling(Body):
     stop_token_ids: list[StrictInt] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    request_id: str | None = None  # vLLM's: the response's id, unless the X-Request-Id header gives one
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, why) for what we cannot serve, checked before any work."""
@@ -112,15 +114,20 @@ class _Sampling(Body):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                           defaults: SamplingDefaults = SamplingDefaults()) -> SamplingParams:
+        """A field the request leaves out takes the server's default (`--generation-config`), else
+        the neutral one; `max_tokens` is decided by the caller."""
         kw = dict(n=self.n, max_tokens=max_tokens, stop=self.stop, seed=self.seed, ignore_eos=self.ignore_eos,
                   min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids, logprobs=logprobs,
                   skip_special_tokens=self.skip_special_tokens,
                   include_stop_str_in_output=self.include_stop_str_in_output)
-        for name, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0),
+        for name, neutral in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0),
                               ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
             value = getattr(self, name)
-            kw[name] = default if value is None else value
+            if value is None:
+                value = getattr(defaults, name, None)
+            kw[name] = neutral if value is None else value
         return SamplingParams(**kw)
 
 
@@ -221,13 +228,19 @@ class DetokenizeRequest(Body):
     tokens: list[StrictInt] = Field(max_length=MAX_TOKEN_IDS)
 
 
-def chat_prompt(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
-    """The messages as one prompt, through the model's chat template; ValueError names `messages`."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ValueError("messages: this model has no chat template: use /v1/completions")
+def chat_prompt(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                chat_template: str | None = None) -> str:
+    """The messages as one prompt, through `chat_template`, else the tokenizer's; ValueError names
+    `messages`."""
+    if tokenizer is None:
+        raise ValueError("messages: this model has no tokenizer: use /v1/completions with token ids")
+    if not chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("messages: this model has no chat template: give the server one (--chat-template) "
+                         "or use /v1/completions")
     try:
         return tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
-                                             tokenize=False, add_generation_prompt=add_generation_prompt)
+                                             chat_template=chat_template, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
     except ValueError:
         raise
     except Exception as e:  # noqa: BLE001 - jinja2's TemplateError (raise_exception), ...
@@ -307,8 +320,10 @@ class ResponseBuilder:
     top_logprobs: int = 0  # chat's; completions return all the logprobs they asked for
 
     @classmethod
-    def start(cls, model: str, chat: bool, tokenizer, top_logprobs: int = 0) -> ResponseBuilder:
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    def start(cls, model: str, chat: bool, tokenizer, top_logprobs: int = 0,
+              base_id: str | None = None) -> ResponseBuilder:
+        """`base_id`: the client's request id (OpenAI's prefix is put before it); None: a new one."""
+        rid = ("chatcmpl-" if chat else "cmpl-") + (base_id or uuid.uuid4().hex)
         return cls(rid, int(time.time()), model, chat, tokenizer, top_logprobs)
 
     def logprobs(self, token_ids: list[int], lps: list[dict], offset: int = 0, prev: int | None = None) -> dict:

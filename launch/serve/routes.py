@@ -37,7 +37,8 @@ async def completions(req: CompletionRequest, raw: Request, state: State):
 async def chat_completions(req: ChatCompletionRequest, raw: Request, state: State):
     _admit(state, req)
     try:
-        prompt = await asyncio.to_thread(chat_prompt, state.tokenizer, req.messages, req.add_generation_prompt)
+        prompt = await asyncio.to_thread(chat_prompt, state.tokenizer, req.messages, req.add_generation_prompt,
+                                         state.chat_template)
     except ValueError as e:
         raise APIError(400, str(e), "messages") from None
     return await create_completion(state, req, raw, [prompt], req.num_logprobs(), chat=True)
@@ -84,7 +85,7 @@ async def tokenize(req: TokenizeRequest, state: State):
     tok = state.tokenizer
     try:
         if req.messages:
-            text = await asyncio.to_thread(chat_prompt, tok, req.messages)
+            text = await asyncio.to_thread(chat_prompt, tok, req.messages, True, state.chat_template)
         elif req.prompt is not None:
             text = req.prompt
         else:

@@ -5,7 +5,9 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
+from distengine.generation_config import SamplingDefaults
 from launch.serve.errors import APIError, not_running
+from launch.serve.request_log import RequestLogger
 
 
 @dataclass
@@ -13,6 +15,9 @@ class ServerState:
     engine: Any  # distengine.async_llm.AsyncLLM
     served_names: list[str]  # the model's names in the API; the first one answers for a request naming none
     tokenizer: Any  # None for a model served without one (token ids in, empty texts out)
+    chat_template: str | None = None  # --chat-template, else None: the tokenizer's
+    sampling_defaults: SamplingDefaults = SamplingDefaults()  # for the fields a request leaves out
+    request_logger: RequestLogger | None = None  # --enable-log-requests
 
     def model_name(self, requested: str | None) -> str:
         return requested or self.served_names[0]
