@@ -80,7 +80,7 @@ import triton
 import triton.language as tl
 
 from kernels.mamba_conv import _gather_pages
-from kernels.mamba_ssd import _dot_operand, _first_ge, _num_sms
+from kernels.mamba_ssd import _dot_operand, _first_ge, _num_sms, chunk_rounds
 from kernels.pdl import pdl_args, pdl_wait
 
 __all__ = ["GDN_MAX_CHUNK", "decode_config", "default_config", "gated_delta_update", "gated_delta_update_ref", "gated_delta_varlen",
@@ -637,19 +637,8 @@ def gated_delta_varlen_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
     qf, kf, g, beta = _prepare(q, k, a, b, A_log, dt_bias, Hv, acc, divide=False)
     vf = v.to(acc)
 
-    cs = chunk_start.long()
-    starts, lens = cs[:-1], cs[1:] - cs[:-1]
-    cseq = chunk_seq.long()
-    first = torch.searchsorted(starts, query_start_loc.long()[:-1])  # first chunk of each sequence
-    rank = torch.arange(NC, device=dev) - first[cseq]
-    pages = chunk_page.long()
-    for r in range(int(rank.max()) + 1):
-        idx = (rank == r).nonzero().squeeze(1)  # the r-th chunk of every sequence that has one
-        seq = cseq[idx]
-        L = int(lens[idx].max())
-        pos = torch.arange(L, device=dev)
-        valid = pos[None, :] < lens[idx][:, None]  # [m, L]
-        tok = (starts[idx][:, None] + pos[None, :]).clamp_max(T - 1)
+    for rnd in chunk_rounds(query_start_loc, chunk_start, chunk_seq, chunk_page, T):
+        seq, L, valid, tok = rnd.seq, rnd.L, rnd.valid, rnd.tok
         vm = valid[..., None]
 
         def heads_first(x: torch.Tensor) -> torch.Tensor:  # [m, L, H, ...] -> [m, H, L, ...]
@@ -673,8 +662,7 @@ def gated_delta_varlen_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
         h = h * cum[..., -1].exp()[..., None, None] + (kc * (cum[..., -1:] - cum).exp()[..., None]).transpose(-1, -2) @ v_new
         run[seq] = h
         out[tok[valid]] = o.transpose(1, 2)[valid].to(out.dtype)
-        pg = pages[idx]
-        keep = pg > 0
+        keep = rnd.pages > 0
         if keep.any():
-            state[pg[keep]] = h[keep].to(state.dtype)
+            state[rnd.pages[keep]] = h[keep].to(state.dtype)
     return out

@@ -41,6 +41,7 @@ tiny); the reference uses exact segment sums.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -49,7 +50,7 @@ import triton.language as tl
 from kernels.mamba_conv import _gather_pages
 from kernels.mamba_state_update import _discretize_dt, check_ssm_operands
 
-__all__ = ["SSD_MAX_CHUNK", "default_config", "ssd_scan_varlen", "ssd_scan_varlen_ref"]
+__all__ = ["SSD_MAX_CHUNK", "ChunkRound", "chunk_rounds", "default_config", "ssd_scan_varlen", "ssd_scan_varlen_ref"]
 
 SSD_MAX_CHUNK = 64
 
@@ -255,6 +256,35 @@ def _segsum(a: torch.Tensor) -> torch.Tensor:
     return seg.masked_fill(~torch.tril(torch.ones(L, L, dtype=torch.bool, device=a.device), 0), float("-inf"))
 
 
+@dataclass
+class ChunkRound:
+    """The r-th host chunk of every sequence that has one (m chunks), for the torch references."""
+    seq: torch.Tensor    # [m] their sequences
+    L: int               # the longest of them
+    valid: torch.Tensor  # [m, L] the rows that are tokens
+    tok: torch.Tensor    # [m, L] the token of each row (padding rows clamped to a valid index)
+    pages: torch.Tensor  # [m] the page each chunk's final state is written to (<= 0: none)
+
+
+def chunk_rounds(query_start_loc: torch.Tensor, chunk_start: torch.Tensor, chunk_seq: torch.Tensor,
+                 chunk_page: torch.Tensor, T: int):
+    """The host chunks in rounds, round r the r-th chunk of every sequence: a reference computes
+    a round at once, vectorised over its chunks, and carries each sequence's state to the next."""
+    dev = chunk_start.device
+    cs = chunk_start.long()
+    starts, lens = cs[:-1], cs[1:] - cs[:-1]
+    cseq = chunk_seq.long()
+    first = torch.searchsorted(starts, query_start_loc.long()[:-1])  # first chunk of each sequence
+    rank = torch.arange(cseq.shape[0], device=dev) - first[cseq]
+    pages = chunk_page.long()
+    for r in range(int(rank.max()) + 1):
+        idx = (rank == r).nonzero().squeeze(1)
+        L = int(lens[idx].max())
+        pos = torch.arange(L, device=dev)
+        yield ChunkRound(cseq[idx], L, pos[None, :] < lens[idx][:, None],
+                         (starts[idx][:, None] + pos[None, :]).clamp_max(T - 1), pages[idx])
+
+
 def ssd_scan_varlen_ref(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                         D: torch.Tensor | None, dt_bias: torch.Tensor | None, dt_softplus: bool,
                         dt_limit: tuple[float, float], ssm_state: torch.Tensor, query_start_loc: torch.Tensor,
@@ -279,19 +309,8 @@ def ssd_scan_varlen_ref(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: t
     head_group = torch.arange(H, device=dev) // (H // G)
     Dh = D.to(acc) if D is not None else None
 
-    cs = chunk_start.long()
-    starts, lens = cs[:-1], cs[1:] - cs[:-1]
-    cseq = chunk_seq.long()
-    first = torch.searchsorted(starts, query_start_loc.long()[:-1])  # first chunk of each sequence
-    rank = torch.arange(NC, device=dev) - first[cseq]
-    pages = chunk_page.long()
-    for k in range(int(rank.max()) + 1):
-        idx = (rank == k).nonzero().squeeze(1)  # the k-th chunk of every sequence that has one
-        seq = cseq[idx]
-        L = int(lens[idx].max())
-        pos = torch.arange(L, device=dev)
-        valid = pos[None, :] < lens[idx][:, None]  # [m, L]
-        tok = (starts[idx][:, None] + pos[None, :]).clamp_max(T - 1)
+    for rnd in chunk_rounds(query_start_loc, chunk_start, chunk_seq, chunk_page, T):
+        seq, L, valid, tok = rnd.seq, rnd.L, rnd.valid, rnd.tok
         d_ = dtv[tok] * valid[..., None]  # [m, L, H], 0 on padding
         a = d_ * Af
         xc = x[tok].to(acc) * valid[..., None, None]  # [m, L, H, P]
@@ -312,8 +331,7 @@ def ssd_scan_varlen_ref(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: t
         to_end = decay[:, :, L - 1, :].transpose(1, 2) * d_  # [m, L, H]
         h_new = h_prev * torch.exp(a.sum(1))[..., None, None] + torch.einsum("mjh,mjhp,mjhn->mhpn", to_end, xc, Bc)
         state[seq] = h_new
-        pg = pages[idx]
-        keep = pg > 0
+        keep = rnd.pages > 0
         if keep.any():
-            ssm_state[pg[keep]] = h_new[keep].to(ssm_state.dtype)
+            ssm_state[rnd.pages[keep]] = h_new[keep].to(ssm_state.dtype)
     return out

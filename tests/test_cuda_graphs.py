@@ -5,8 +5,9 @@ after warm-up over a 300-token decode, with graphs and eagerly; the graphs' memo
 before the KV cache is sized. With two GPUs: TP=2 on Ray, with its all-reduces inside the graphs
 (NCCL's, then the NVLink kernel fused with the norms), gives transformers' greedy tokens. Each
 on Gemma-3, on a Mamba hybrid (Bamba: the state pages of a decode are found on the device,
-inside the graph), on Granite-4.0-H with routed experts (their sort by expert inside the graph)
-and on gpt-oss (sinks, biases, experts with biases)."""
+inside the graph), on Granite-4.0-H with routed experts (their sort by expert inside the graph),
+on gpt-oss (sinks, biases, experts with biases) and on Qwen3.5-MoE (Gated DeltaNet states updated
+in place, gated attention, experts beside a gated shared expert)."""
 from __future__ import annotations
 
 import pytest

@@ -34,7 +34,7 @@ from kernels.gated_delta import GDN_MAX_CHUNK
 from kernels.mamba_ssd import SSD_MAX_CHUNK
 from workers.layers.attention import AttentionMetadata
 from workers.layers.linear import RowParallelLinear
-from workers.layers.mamba import Segmented
+from workers.layers.mamba import Segmented, state_views
 from workers.ops import (causal_conv1d_update_op, causal_conv1d_varlen_op, gated_delta_update_op,
                          gated_delta_varlen_op, gated_rms_norm_op, linear_op)
 from workers.parallel import TPGroup
@@ -171,19 +171,11 @@ class GatedDeltaNet(nn.Module):
 
     def bind_state(self, pages: torch.Tensor, mamba_index: int, dtype: torch.dtype) -> None:
         """`pages`: `[num_blocks, bytes]` uint8, this layer's pages of every block."""
-        esize = torch.empty((), dtype=dtype).element_size()
-        lay = self.state_layout(esize)
-        if pages.shape[1] < lay.nbytes:
-            raise ValueError(f"{self.prefix}: its pages hold {pages.shape[1]} bytes, the state needs {lay.nbytes}")
+        lay = self.state_layout(torch.empty((), dtype=dtype).element_size())
         if tuple(lay.conv_shape) != (self.d_conv - 1, self.conv_dim):
             raise ValueError(f"{self.prefix}: the plan's conv state {lay.conv_shape} is not this layer's "
                              f"{(self.d_conv - 1, self.conv_dim)}")
-        n = pages.shape[0]
-        conv_bytes = lay.conv_shape[0] * lay.conv_shape[1] * esize
-        self.conv_state = pages[:, :conv_bytes].view(dtype).view(n, *lay.conv_shape)
-        ssm_bytes = lay.ssm_shape[0] * lay.ssm_shape[1] * lay.ssm_shape[2] * 4
-        self.ssm_state = pages[:, lay.ssm_offset:lay.ssm_offset + ssm_bytes].view(torch.float32).view(
-            n, *lay.ssm_shape)
+        self.conv_state, self.ssm_state = state_views(pages, lay, dtype, self.prefix)
         self.mamba_index = mamba_index
 
     def unbind(self) -> None:

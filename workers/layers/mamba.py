@@ -28,6 +28,22 @@ from workers.ops import (causal_conv1d_update_op, causal_conv1d_varlen_op, gated
 from workers.parallel import TPGroup
 
 
+def state_views(pages: torch.Tensor, lay: StateLayout, dtype: torch.dtype,
+                name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The conv state `[num_blocks, *conv_shape]` (in `dtype`) and the SSM state `[num_blocks,
+    *ssm_shape]` (in `dtype`, or fp32 where the layout keeps it so) of a state layer's pages
+    `[num_blocks, bytes]` (uint8), as the plan lays them out (`StateLayout`)."""
+    esize = torch.empty((), dtype=dtype).element_size()
+    if pages.shape[1] < lay.nbytes:
+        raise ValueError(f"{name}: its pages hold {pages.shape[1]} bytes, the state needs {lay.nbytes}")
+    n = pages.shape[0]
+    conv_bytes = lay.conv_shape[0] * lay.conv_shape[1] * esize
+    ssm_dtype = dtype if lay.ssm_dtype_bytes == esize else torch.float32
+    ssm_bytes = lay.ssm_shape[0] * lay.ssm_shape[1] * lay.ssm_shape[2] * lay.ssm_dtype_bytes
+    return (pages[:, :conv_bytes].view(dtype).view(n, *lay.conv_shape),
+            pages[:, lay.ssm_offset:lay.ssm_offset + ssm_bytes].view(ssm_dtype).view(n, *lay.ssm_shape))
+
+
 class Segmented(nn.Module):
     """Parameters whose dim 0 concatenates segments each sliced on its own by the rank (in_proj's
     z | x | B | C | dt, the conv's x | B | C). `segments`: (full length, this rank's start, length)."""
@@ -128,16 +144,8 @@ class MambaMixer2(nn.Module):
 
     def bind_state(self, pages: torch.Tensor, mamba_index: int, dtype: torch.dtype) -> None:
         """`pages`: `[num_blocks, bytes]` uint8, this layer's pages of every block."""
-        esize = torch.empty((), dtype=dtype).element_size()
-        lay = self.state_layout(esize)
-        if pages.shape[1] < lay.nbytes:
-            raise ValueError(f"{self.prefix}: its pages hold {pages.shape[1]} bytes, the state needs {lay.nbytes}")
-        n = pages.shape[0]
-        conv_bytes = lay.conv_shape[0] * lay.conv_shape[1] * esize
-        self.conv_state = pages[:, :conv_bytes].view(dtype).view(n, *lay.conv_shape)
-        ssm_dtype = dtype if lay.ssm_dtype_bytes == esize else torch.float32
-        ssm_bytes = lay.ssm_shape[0] * lay.ssm_shape[1] * lay.ssm_shape[2] * lay.ssm_dtype_bytes
-        self.ssm_state = pages[:, lay.ssm_offset:lay.ssm_offset + ssm_bytes].view(ssm_dtype).view(n, *lay.ssm_shape)
+        lay = self.state_layout(torch.empty((), dtype=dtype).element_size())
+        self.conv_state, self.ssm_state = state_views(pages, lay, dtype, self.prefix)
         self.mamba_index = mamba_index
 
     def unbind(self) -> None:
