@@ -66,10 +66,11 @@ def test_prefix_caching_preemption_and_chunking_change_nothing(qwen3):
         assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in base], what
 
 
-# Of the Gated DeltaNet families, the two ends: Qwen3-Next's interleaved projections and experts
-# without renormalisation, and Qwen3.5-MoE's multimodal checkpoint (split projections); the others
-# share their paths and are checked against transformers in the tests above and below.
-@pytest.mark.parametrize("name", HYBRIDS + ["qwen3_next", "qwen3_5_moe_vl"])
+# Of the Gated DeltaNet families, each class once: Qwen3-Next (interleaved projections, experts
+# without renormalisation), Qwen3.5 dense, and Qwen3.5-MoE through its multimodal checkpoint; the
+# text-only MoE and the dense multimodal checkpoint share their paths and are checked against
+# transformers in the tests above and below.
+@pytest.mark.parametrize("name", HYBRIDS + ["qwen3_next", "qwen3_5", "qwen3_5_moe_vl"])
 def test_hybrid_prefix_hits_preemption_and_chunking_give_transformers_tokens(tmp_path_factory, ray_cluster, name):
     """Mamba and Gated DeltaNet hybrids: a request sharing a prefix with an earlier one restores
     the cached states (num_cached_tokens > 0) and produces transformers' tokens; so do no prefix
