@@ -2,7 +2,7 @@
 # GPU tests and benchmarks of the Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5, Qwen3.5-MoE / Qwen3.6),
 # from the project root, with the project and its dependencies importable (`pip install -e .`, or its
 # root on PYTHONPATH):
-#   bash launch/bench/gpu/gated_deltanet.sh tests    # one H200 (~6 min): kernel and model tests natively,
+#   bash launch/bench/gpu/gated_deltanet.sh tests    # one H200 (~8 min): kernel and model tests natively,
 #                                                    # the CUDA graph tests of Qwen3.5-MoE, the kernels' timings
 #   SWEEP=1 bash launch/bench/gpu/gated_deltanet.sh kernels  # one H200 (~2 min): the kernels' timings
 #                                                    # (SWEEP: and their launch configurations)
@@ -20,7 +20,7 @@ source "$(dirname "$0")/preamble.sh"
 shapes=${SHAPES:-qwen3.6-27b qwen3.6-35b-a3b}
 
 if [ "$mode" = tests ]; then
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gated_delta.py \
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gated_delta.py \
       tests/test_models.py -k "qwen3_next or qwen3_5 or gated" > "$OUT/pytest_kernels.log" 2>&1
   echo "pytest exit $?" >> "$OUT/pytest_kernels.log"
   timeout 270 python3 -m pytest -o addopts= -v -p no:cacheprovider -k "${K:-qwen3_5_moe}" \
