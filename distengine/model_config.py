@@ -59,14 +59,8 @@ class MambaShape:
         return (self.d_conv - 1, conv_dim), (self.n_heads // tp, self.d_head, self.d_state)
 
     def layout(self, tp: int, dtype_bytes: int) -> "StateLayout":
-        """Where the conv and SSM states sit in a layer's page(s): conv first, then the SSM state
-        at the next 16-byte boundary (aligned vector loads)."""
         conv, ssm = self.state_shapes(tp)
-        ssm_bytes = self.ssm_dtype_bytes or dtype_bytes
-        conv_nbytes = conv[0] * conv[1] * dtype_bytes
-        ssm_offset = -(-conv_nbytes // 16) * 16
-        return StateLayout(conv, ssm, dtype_bytes, ssm_bytes, ssm_offset,
-                           ssm_offset + ssm[0] * ssm[1] * ssm[2] * ssm_bytes)
+        return state_layout(conv, ssm, dtype_bytes, self.ssm_dtype_bytes or dtype_bytes)
 
 
 @dataclass(frozen=True)
@@ -99,10 +93,7 @@ class DeltaNetShape:
 
     def layout(self, tp: int, dtype_bytes: int) -> "StateLayout":
         conv, state = self.state_shapes(tp)
-        conv_nbytes = conv[0] * conv[1] * dtype_bytes
-        offset = -(-conv_nbytes // 16) * 16
-        return StateLayout(conv, state, dtype_bytes, self.state_dtype_bytes, offset,
-                           offset + state[0] * state[1] * state[2] * self.state_dtype_bytes)
+        return state_layout(conv, state, dtype_bytes, self.state_dtype_bytes)
 
 
 @dataclass(frozen=True)
@@ -115,6 +106,14 @@ class StateLayout:
     ssm_dtype_bytes: int
     ssm_offset: int
     nbytes: int
+
+
+def state_layout(conv: tuple[int, int], ssm: tuple[int, int, int], dtype_bytes: int, ssm_bytes: int) -> StateLayout:
+    """Where a state layer's conv and SSM (recurrent) states sit in its page(s): conv first, in the
+    cache's dtype, then the SSM state in its own at the next 16-byte boundary (aligned vector
+    loads)."""
+    offset = -(-conv[0] * conv[1] * dtype_bytes // 16) * 16
+    return StateLayout(conv, ssm, dtype_bytes, ssm_bytes, offset, offset + ssm[0] * ssm[1] * ssm[2] * ssm_bytes)
 
 
 def mamba_groups_per_rank(n_groups: int, n_heads: int, tp: int) -> int:
