@@ -22,11 +22,26 @@ import triton.language as tl
 from kernels.paged_attention import _interpreter_bf16
 from kernels.pdl import pdl_args, pdl_wait
 
-__all__ = ["fused_experts", "fused_experts_ref", "moe_align", "moe_align_kernel", "moe_align_torch", "moe_config",
-           "tokens_per_tile_band"]
+__all__ = ["compile_align_variants", "fused_experts", "fused_experts_ref", "moe_align", "moe_align_kernel",
+           "moe_align_torch", "moe_config", "tokens_per_tile_band"]
 
 
-ALIGN_KERNEL_MAX_PAIRS = 2048  # one program walks the pairs: beyond, the torch ops are faster
+ALIGN_KERNEL_MAX_PAIRS = 2048  # one program sorts the pairs in registers: beyond, the torch ops
+
+
+def align_kernel_width(num_pairs: int) -> int:
+    """The pairs the align program sorts (a power of two, at least 64): a few compiled variants
+    (`align_kernel_widths`) rather than one per batch size."""
+    return max(64, triton.next_power_of_2(num_pairs))
+
+
+def align_kernel_widths() -> list[int]:
+    """A pair count of each width the align program compiles for (warm-up runs them all)."""
+    widths, w = [], 64
+    while w <= ALIGN_KERNEL_MAX_PAIRS:
+        widths.append(w)
+        w *= 2
+    return widths
 
 
 def align_size(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -71,52 +86,54 @@ def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     return rows, block_expert
 
 
+@triton.jit
+def _max_of(a, b):
+    return tl.maximum(a, b)
+
+
 @triton.jit(do_not_specialize=["n", "size"])
-def _moe_align_kernel(ids_ptr, rows_ptr, bexp_ptr, n, size, E_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+def _moe_align_kernel(ids_ptr, rows_ptr, bexp_ptr, keys_ptr, n, size, N_P2: tl.constexpr, BLOCK_M: tl.constexpr,
                       CHUNK: tl.constexpr, PDL: tl.constexpr):
-    """One program: count the pairs per expert, pad each run to whole tiles, fill `rows` with the
-    sentinel n, then place each pair at its expert's start + the pairs of that expert before it
-    (a cumulative sum over a [CHUNK, E] one-hot per chunk of pairs), and give each tile its expert."""
+    """One program: sort the pairs by (expert, index) in registers, so that each expert's pairs
+    form a run; a pair's rank in its run and the run's padded start (an exclusive sum, over the
+    pairs before it, of each run's size padded to whole tiles, counted at the run's last pair) give
+    its slot; the first pair of each tile names the tile's expert. The sentinels go in first."""
     pdl_wait(PDL)
-    experts = tl.arange(0, E_P2)
-    counts = tl.zeros([E_P2], tl.int32)
-    for start in range(0, n, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1).to(tl.int32)
-        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, 0)
-    total = tl.sum(padded, 0)
     for start in range(0, size, CHUNK):
         offs = start + tl.arange(0, CHUNK)
         tl.store(rows_ptr + offs, tl.zeros([CHUNK], tl.int32) + n, mask=offs < size)
-    tl.debug_barrier()  # the sentinels are in before any pair overwrites its slot
-    placed = ends - padded  # the next free slot of each expert
-    for start in range(0, n, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1).to(tl.int32)
-        hot = (ids[:, None] == experts[None, :]).to(tl.int32)
-        before = tl.cumsum(hot, 0) - hot  # same-expert pairs earlier in this chunk
-        slot = tl.sum(hot * (before + placed[None, :]), 1)
-        tl.store(rows_ptr + slot, offs, mask=offs < n)
-        placed += tl.sum(hot, 0)
-    for start in range(0, size // BLOCK_M, CHUNK):
-        tiles = start + tl.arange(0, CHUNK)
-        first = tiles * BLOCK_M
-        expert = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), 1)
-        tl.store(bexp_ptr + tiles, tl.where(first < total, expert, -1), mask=tiles < size // BLOCK_M)
+        tl.store(bexp_ptr + offs, tl.full([CHUNK], -1, tl.int32), mask=offs < size // BLOCK_M)
+    pos = tl.arange(0, N_P2)
+    valid = pos < n
+    ids = tl.load(ids_ptr + pos, mask=valid, other=0).to(tl.int32)
+    # Pairs past n sort last (the largest key); N_P2 <= 2**11 and experts < 2**20 keep it in int32.
+    keys = tl.sort(tl.where(valid, ids * N_P2 + pos, 0x7FFFFFFF))
+    tl.store(keys_ptr + pos, keys)
+    tl.debug_barrier()  # the sorted keys and the sentinels are in before any thread reads or overwrites them
+    expert = keys // N_P2
+    before = tl.load(keys_ptr + pos - 1, mask=pos > 0, other=-1) // N_P2
+    after = tl.load(keys_ptr + pos + 1, mask=pos + 1 < n, other=-1) // N_P2
+    run_start = tl.associative_scan(tl.where(before != expert, pos, 0), 0, _max_of)
+    rank = pos - run_start
+    padded = tl.where(valid & (after != expert), (rank + BLOCK_M) // BLOCK_M * BLOCK_M, 0)
+    slot = tl.cumsum(padded, 0) - padded + rank
+    tl.store(rows_ptr + slot, keys % N_P2, mask=valid)
+    tl.store(bexp_ptr + slot // BLOCK_M, expert, mask=valid & (rank % BLOCK_M == 0))
 
 
 def moe_align_kernel(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`moe_align` in one Triton program (any device; the engine uses it on GPUs for small batches)."""
     n = topk_ids.numel()
+    if n > ALIGN_KERNEL_MAX_PAIRS:
+        raise ValueError(f"moe_align_kernel takes at most {ALIGN_KERNEL_MAX_PAIRS} pairs, got {n}")
     size = align_size(n, num_experts, block_m)
     ids = topk_ids.reshape(-1)
     rows = torch.empty(size, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(size // block_m, dtype=torch.int32, device=ids.device)
-    e_p2 = triton.next_power_of_2(num_experts)
-    _moe_align_kernel[(1,)](ids, rows, block_expert, n, size, E_P2=e_p2, BLOCK_M=block_m,
-                            CHUNK=max(16, min(128, 8192 // e_p2)), num_warps=8, **pdl_args(ids))
+    n_p2 = align_kernel_width(n)
+    keys = torch.empty(n_p2, dtype=torch.int32, device=ids.device)
+    _moe_align_kernel[(1,)](ids, rows, block_expert, keys, n, size, N_P2=n_p2, BLOCK_M=block_m, CHUNK=1024,
+                            num_warps=8 if n_p2 > 256 else 4, **pdl_args(ids))
     return rows, block_expert
 
 
@@ -283,3 +300,13 @@ def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
             h = h + b2[e].to(acc)
         out.index_add_(0, tokens, h * topk_weights.reshape(-1)[pairs].to(acc)[:, None])
     return out.to(x.dtype)
+
+
+def compile_align_variants(num_experts: int, top_k: int, itemsize: int, device) -> None:
+    """Run the align program once in each variant a batch of up to ALIGN_KERNEL_MAX_PAIRS pairs
+    compiles (its sort width and tile rows), so that none compiles while serving."""
+    variants: dict[tuple[int, int], int] = {}
+    for n in range(top_k, ALIGN_KERNEL_MAX_PAIRS + 1, top_k):
+        variants.setdefault((align_kernel_width(n), moe_config(n, num_experts, itemsize)["BLOCK_M"]), n)
+    for (_, block_m), n in variants.items():
+        moe_align_kernel(torch.zeros(n // top_k, top_k, dtype=torch.int64, device=device), num_experts, block_m)

@@ -7,6 +7,12 @@ H200 they took ~14 us a layer, 0.5 ms of a Granite-4.0-H-Tiny decode step's 3.2 
 (`launch/bench/profile_decode.py`). One program per token holds its row of logits in registers and
 picks the k largest one after another.
 
+A shared expert (Qwen3-Next's and Qwen3.5's, gated by sigmoid(x w)) joins as `shared` more slots
+of each token's choice: its gate's logit is the column after the experts', its parts the
+experts E .. E + shared - 1 (`FusedMoE` keeps a shared expert wider than one routed expert as
+several), each weighed by the sigmoid of that logit. So the experts' kernels compute it with the
+routed ones, rather than three more GEMVs and four elementwise launches a layer.
+
 Order and ties: experts come largest first, as `torch.topk` returns them; among equal logits the
 lower expert id first (torch leaves that order unspecified). Weights are computed in fp32,
 exp(l_j - l_max) / sum over the k, and rounded once to the requested dtype.
@@ -24,7 +30,8 @@ __all__ = ["topk_softmax", "topk_softmax_ref"]
 
 @triton.jit
 def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, n_experts, stride_t,
-                         K: tl.constexpr, K_P2: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+                         K: tl.constexpr, K_P2: tl.constexpr, SHARED: tl.constexpr, BLOCK_E: tl.constexpr,
+                         PDL: tl.constexpr):
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
@@ -41,33 +48,56 @@ def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, n_experts, stride_t,
         x = tl.where(cols == i, float("-inf"), x)
     w = vals / tl.sum(vals, axis=0)
     keep = slots < K
-    tl.store(weights_ptr + t * K + slots, w.to(weights_ptr.dtype.element_ty), mask=keep)
-    tl.store(ids_ptr + t * K + slots, ids, mask=keep)
+    tl.store(weights_ptr + t * (K + SHARED) + slots, w.to(weights_ptr.dtype.element_ty), mask=keep)
+    tl.store(ids_ptr + t * (K + SHARED) + slots, ids, mask=keep)
+    if SHARED > 0:
+        gate = tl.sigmoid(tl.load(logits_ptr + t * stride_t + n_experts).to(tl.float32))
+        for j in tl.static_range(SHARED):
+            tl.store(weights_ptr + t * (K + SHARED) + K + j, gate.to(weights_ptr.dtype.element_ty))
+            tl.store(ids_ptr + t * (K + SHARED) + K + j, (n_experts + j).to(tl.int64))
 
 
-def _check(logits: torch.Tensor, k: int) -> None:
+def _check(logits: torch.Tensor, k: int, shared: int) -> int:
+    """The number of routed experts (the logits' columns less the shared expert's gate)."""
     if logits.dim() != 2:
         raise ValueError(f"router logits must be [tokens, experts], got {tuple(logits.shape)}")
-    if not 1 <= k <= logits.shape[1]:
-        raise ValueError(f"experts per token must be 1 to {logits.shape[1]} (the experts), got {k}")
+    if shared < 0:
+        raise ValueError(f"shared expert slots must be 0 or more, got {shared}")
+    e = logits.shape[1] - (1 if shared else 0)
+    if not 1 <= k <= e:
+        raise ValueError(f"experts per token must be 1 to {e} (the experts), got {k}")
+    return e
 
 
-def topk_softmax(logits: torch.Tensor, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] (any float dtype) -> (weights [T, k] in `dtype`, expert ids [T, k] int64)."""
-    _check(logits, k)
-    t, e = logits.shape
-    weights = torch.empty((t, k), dtype=dtype, device=logits.device)
-    ids = torch.empty((t, k), dtype=torch.int64, device=logits.device)
+def topk_softmax(logits: torch.Tensor, k: int, dtype: torch.dtype, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] (any float dtype), or [T, E + 1] with the shared expert's gate last when
+    `shared` > 0 -> (weights [T, k + shared] in `dtype`, expert ids [T, k + shared] int64)."""
+    e = _check(logits, k, shared)
+    t = logits.shape[0]
+    weights = torch.empty((t, k + shared), dtype=dtype, device=logits.device)
+    ids = torch.empty((t, k + shared), dtype=torch.int64, device=logits.device)
     if t > 0:
         logits = logits if logits.stride(1) == 1 else logits.contiguous()
         _topk_softmax_kernel[(t,)](logits, weights, ids, e, logits.stride(0), K=k, K_P2=triton.next_power_of_2(k),
-                                   BLOCK_E=triton.next_power_of_2(e), num_warps=4 if e <= 1024 else 8,
-                                   **pdl_args(logits))
+                                   SHARED=shared, BLOCK_E=triton.next_power_of_2(e),
+                                   num_warps=4 if e <= 1024 else 8, **pdl_args(logits))
     return weights, ids
 
 
-def topk_softmax_ref(logits: torch.Tensor, k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same choice through torch: top-k of the fp32 logits, softmax over them in fp32."""
-    _check(logits, k)
-    top, ids = logits.float().topk(k, dim=-1)
-    return torch.softmax(top, dim=-1).to(dtype), ids
+def topk_softmax_ref(logits: torch.Tensor, k: int, dtype: torch.dtype, shared: int = 0,
+                     renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same choice through torch: top-k of the fp32 logits, softmax over them in fp32 (or,
+    with `renormalize` False, the softmax over all experts of the k chosen: Qwen3-Next without
+    `norm_topk_prob`), then the shared expert's slots."""
+    e = _check(logits, k, shared)
+    routed = logits[:, :e].float()
+    if renormalize:
+        top, ids = routed.topk(k, dim=-1)
+        weights = torch.softmax(top, dim=-1)
+    else:
+        weights, ids = torch.softmax(routed, dim=-1).topk(k, dim=-1)
+    if shared:
+        gate = torch.sigmoid(logits[:, e:].float()).expand(-1, shared)
+        weights = torch.cat([weights, gate], dim=1)
+        ids = torch.cat([ids, torch.arange(e, e + shared, device=ids.device).expand(ids.shape[0], -1)], dim=1)
+    return weights.to(dtype), ids

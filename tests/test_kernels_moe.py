@@ -52,8 +52,9 @@ def expert_weights(e: int, inter: int, h: int, dtype: torch.dtype, seed: int):
 
 
 @pytest.mark.parametrize("impl", [moe_align_torch, moe_align_kernel], ids=["torch", "triton"])
-@pytest.mark.parametrize("t,e,k", [(1, 8, 2), (5, 6, 3), (40, 4, 2), (3, 16, 1), (70, 128, 4), (9, 100, 8)])
-@pytest.mark.parametrize("block_m", [1, 4, 16])
+@pytest.mark.parametrize("t,e,k,block_m", [(t, e, k, b) for t, e, k in [(1, 8, 2), (5, 6, 3), (40, 4, 2), (3, 16, 1),
+                                                                       (70, 128, 4), (9, 100, 8)]
+                                           for b in (1, 4, 16)] + [(200, 257, 8, 16)])  # the widest sort
 def test_moe_align_groups_every_pair_once_by_expert(impl, t, e, k, block_m):
     """Both implementations (one Triton program for a decode step's pairs, torch ops beyond),
     each against the contract, and the two equal."""
@@ -169,6 +170,41 @@ def test_topk_softmax(impl, dtype, t, e, k):
     assert torch.equal(ids.cpu(), want_ids.cpu())
     assert weights.dtype == dtype and ids.dtype == torch.int64
     torch.testing.assert_close(weights.double(), torch.softmax(top, dim=-1), rtol=TOL[dtype], atol=TOL[dtype] / 10)
+
+
+@pytest.mark.parametrize("impl", [topk_softmax, topk_softmax_ref], ids=["triton", "torch"])
+@pytest.mark.parametrize("shared", [1, 3])
+def test_topk_softmax_with_a_shared_expert(impl, shared):
+    """The shared expert's gate logit is the last column: its slots follow the k routed ones,
+    experts E .. E + shared - 1, each weighed by the sigmoid of that logit."""
+    t, e, k = 6, 16, 4
+    g = torch.Generator().manual_seed(shared)
+    routed = torch.stack([torch.randperm(e, generator=g) for _ in range(t)]).sub(e / 2).div(8)
+    gate = torch.randn(t, 1, generator=g)
+    logits = torch.cat([routed, gate], dim=1).to(DEVICE)
+    weights, ids = impl(logits, k, torch.float32, shared)
+    top, want_ids = routed.double().topk(k, dim=-1)
+    assert ids.shape == (t, k + shared)
+    assert torch.equal(ids[:, :k].cpu(), want_ids)
+    assert torch.equal(ids[:, k:].cpu(), torch.arange(e, e + shared).expand(t, -1))
+    torch.testing.assert_close(weights[:, :k].double().cpu(), torch.softmax(top, dim=-1))
+    torch.testing.assert_close(weights[:, k:].double().cpu(), torch.sigmoid(gate.double()).expand(-1, shared))
+    with pytest.raises(ValueError, match="experts per token must be 1 to 16"):
+        impl(logits, 17, torch.float32, shared)
+
+
+def test_topk_softmax_over_all_experts_keeps_their_probabilities():
+    """Qwen3-Next without norm_topk_prob: the k chosen experts keep their softmax over all."""
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0, 0.5]])
+    weights, ids = topk_softmax_ref(logits, 2, torch.float64, 1, renormalize=False)
+    probs = torch.softmax(logits[0, :4].double(), dim=0)
+    assert ids.tolist() == [[1, 2, 4]]
+    torch.testing.assert_close(weights[0], torch.stack([probs[1], probs[2], torch.sigmoid(torch.tensor(0.5).double())]))
+
+
+def test_moe_align_kernel_limit():
+    with pytest.raises(ValueError, match="at most 2048 pairs"):
+        moe_align_kernel(torch.zeros(1025, 2, dtype=torch.int64, device=DEVICE), 4, 16)
 
 
 def test_topk_softmax_ties_and_bad_arguments():

@@ -283,3 +283,41 @@ def test_granite_experts_load_under_both_spellings_and_tp_shards_them(tmp_path):
     wrong = transformers.GraniteMoeHybridConfig(**{**hf.config.to_dict(), "num_experts_per_tok": 7})
     with pytest.raises(ValueError, match="experts per token must be 1 to 6"):
         GraniteMoeHybridForCausalLM(wrong, TPGroup(), torch.float32, torch.device("cpu"))
+
+
+def test_qwen_shared_expert_joins_the_experts_stack(tmp_path):
+    """Qwen3.5-MoE's shared expert (48 wide, routed experts 32) is kept after the routed experts
+    as slots of one expert's width: at TP=2 rank 1 holds its columns 24..48, in a slot of 16 and
+    one of 8 padded with zeros, not counted among the routed experts' bytes; its gate is the
+    router's last row; a checkpoint without the shared gate names it."""
+    from safetensors.torch import save_file
+
+    from workers.loader import MissingWeightsError
+    from workers.models.qwen3_5 import Qwen3_5MoeForCausalLM
+
+    hf, _ = build("qwen3_5_moe")
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    mlp = "model.layers.0.mlp"
+
+    class Rank1:
+        world_size, rank = 2, 1
+    half = Qwen3_5MoeForCausalLM(hf.config, Rank1(), torch.float32, torch.device("cpu"))
+    half.load_weights(state.items())
+    experts = half.model.layers[0].mlp.experts
+    assert experts.w13.shape[:2] == (4 + 2, 32) and experts.shared_slots == 2
+    gate, up, down = (state[f"{mlp}.shared_expert.{p}_proj.weight"] for p in ("gate", "up", "down"))
+    assert torch.equal(experts.w13[4, :16], gate[24:40]) and torch.equal(experts.w13[4, 16:], up[24:40])
+    assert torch.equal(experts.w13[5, :8], gate[40:48]) and torch.equal(experts.w13[5, 16:24], up[40:48])
+    assert not experts.w13[5, 8:16].any() and not experts.w13[5, 24:].any()
+    assert torch.equal(experts.w2[4], down[:, 24:40]) and torch.equal(experts.w2[5, :, :8], down[:, 40:48])
+    assert not experts.w2[5, :, 8:].any()
+    assert experts.routed_bytes() == 4 * (experts.w13[0].numel() + experts.w2[0].numel()) * 4  # (the roofline's)
+    router = half.model.layers[0].mlp.gate.weight
+    assert torch.equal(router[:4], state[f"{mlp}.gate.weight"])
+    assert torch.equal(router[4:], state[f"{mlp}.shared_expert_gate.weight"])
+
+    hf.config.save_pretrained(tmp_path)
+    del state[f"{mlp}.shared_expert_gate.weight"]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(MissingWeightsError, match=r"model.layers.0.mlp.shared_expert_gate.weight"):
+        load_model(str(tmp_path), Qwen3_5MoeForCausalLM, TPGroup(), "float32", "cpu")

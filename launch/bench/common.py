@@ -198,9 +198,10 @@ class Roofline:
 
 def expert_layers(worker) -> list[tuple[int, int, int]]:
     """(experts, experts per token, this rank's bytes of their weights) per routed-experts layer,
-    run on a worker through `collective_rpc`: a decode step reads only the experts its tokens chose."""
+    run on a worker through `collective_rpc`: a decode step reads only the experts its tokens
+    chose (a shared expert kept in the same stack is not one of them)."""
     from workers.layers.moe import FusedMoE
-    return [(m.num_experts, m.top_k, sum(p.numel() * p.element_size() for p in m.parameters()))
+    return [(m.num_experts, m.top_k, m.routed_bytes())
             for m in worker.runner.model.modules() if isinstance(m, FusedMoE)]
 
 

@@ -7,27 +7,58 @@ shared MLP), finishes it; the router is replicated. That relies on every rank ho
 hidden states bit for bit (NCCL's and the one-shot all-reduce's sums are the same on every
 rank): ranks that disagreed on a top-k would sum different experts. Expert parallelism is not
 built.
+
+A shared expert beside the routed ones (Qwen3-Next's and Qwen3.5's, scaled by sigmoid(x w) of
+its own gate) is kept as more experts of the same stack: its intermediate size (this rank's
+share) cut into pieces of one routed expert's, the last zero-padded (silu(0) * 0 adds nothing),
+each piece chosen by every token with the gate's weight (`kernels/moe_routing.py`). One grouped
+GEMM pair then computes both, where a separate MLP cost three GEMVs and four elementwise
+launches a layer (a batch-1 decode step of Qwen3.6-35B-A3B is bound by its launches).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from kernels.fused_moe import tokens_per_tile_band
+from kernels.fused_moe import compile_align_variants, tokens_per_tile_band
+from kernels.moe_routing import topk_softmax_ref
 from workers.ops import act_and_mul, fused_experts_op, linear_op, topk_softmax_op
 from workers.parallel import TPGroup, split_evenly
 
 
 class Router(nn.Module):
     """The router's logits, x R^T (+ b) in x's dtype (replicated on every rank); the choice
-    (`FusedMoE`) reads them in float32."""
+    (`FusedMoE`) reads them in float32. With `shared_gate` the shared expert's gate [1, hidden]
+    is one more row (the weight loader's shard "shared"), its logit the last column."""
 
     def __init__(self, hidden: int, num_experts: int, dtype: torch.dtype, device: torch.device,
-                 bias: bool = False) -> None:
+                 bias: bool = False, shared_gate: bool = False, name: str = "") -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype, device=device), requires_grad=False)
+        if bias and shared_gate:
+            raise ValueError(f"{name}: a router with a bias and a shared expert's gate is not supported")
+        self.name, self.num_experts, self.hidden = name, num_experts, hidden
+        rows = num_experts + (1 if shared_gate else 0)
+        self.weight = nn.Parameter(torch.empty(rows, hidden, dtype=dtype, device=device), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(num_experts, dtype=dtype, device=device), requires_grad=False) \
             if bias else None
+
+    def full_shapes(self) -> dict[str, tuple[int, ...]]:
+        shapes = {"weight": (self.num_experts, self.hidden)}
+        if self.bias is not None:
+            shapes["bias"] = (self.num_experts,)
+        return shapes
+
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard: str | None = None) -> None:
+        if shard == "shared" and param is self.weight and self.weight.shape[0] > self.num_experts:
+            want, rows = (1, self.hidden), param.data[self.num_experts:]
+        elif shard is None:
+            want = self.full_shapes()["weight" if param is self.weight else "bias"]
+            rows = param.data[:self.num_experts]
+        else:
+            raise ValueError(f"{self.name}: no router part {shard!r}")
+        if tuple(full.shape) != want:
+            raise ValueError(f"{self.name}: checkpoint tensor has shape {tuple(full.shape)}, expected {want}")
+        rows.copy_(full)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear_op(x, self.weight, self.bias)
@@ -45,11 +76,14 @@ class FusedMoE(nn.Module):
 
     The weights load stacked (`weight_loader` with no shard: the whole [E, 2I, H] or [E, H, I]
     tensor) or one expert's tensor at a time (shard (expert, 0) its gate_proj [I, H], (expert, 1)
-    its up_proj, (expert, None) its down_proj [H, I]), as checkpoints keep them either way."""
+    its up_proj, (expert, None) its down_proj [H, I]), as checkpoints keep them either way. With
+    `shared_intermediate` > 0 a shared expert of that size follows the E routed ones (see the
+    module's note; its router needs `shared_gate`): shard ("shared", 0 / 1 / None) loads its
+    gate_proj, up_proj or down_proj."""
 
     def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int, activation, tp: TPGroup,
                  dtype: torch.dtype, device: torch.device, name: str = "", bias: bool = False,
-                 renormalize: bool = True) -> None:
+                 renormalize: bool = True, shared_intermediate: int = 0) -> None:
         super().__init__()
         self.renormalize = renormalize
         if not 1 <= top_k <= num_experts:
@@ -57,10 +91,20 @@ class FusedMoE(nn.Module):
         self.name, self.num_experts, self.top_k, self.hidden, self.intermediate = \
             name, num_experts, top_k, hidden, intermediate
         self.start, self.size = split_evenly(intermediate, tp, f"{name} expert intermediate size")
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.size, hidden, dtype=dtype, device=device),
+        self.shared_intermediate, self.shared_slots = shared_intermediate, 0
+        if shared_intermediate:
+            if bias:
+                raise ValueError(f"{name}: experts with biases and a shared expert are not supported")
+            self.shared_start, self.shared_size = split_evenly(shared_intermediate, tp,
+                                                               f"{name} shared expert intermediate size")
+            self.shared_slots = -(-self.shared_size // self.size)
+        slots = num_experts + self.shared_slots
+        self.w13 = nn.Parameter(torch.empty(slots, 2 * self.size, hidden, dtype=dtype, device=device),
                                 requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, self.size, dtype=dtype, device=device),
+        self.w2 = nn.Parameter(torch.empty(slots, hidden, self.size, dtype=dtype, device=device),
                                requires_grad=False)
+        self.w13.data[num_experts:].zero_()  # the shared expert's padding
+        self.w2.data[num_experts:].zero_()
         self.b13 = self.b2 = None
         if bias:
             self.b13 = nn.Parameter(torch.empty(num_experts, 2 * self.size, dtype=dtype, device=device),
@@ -68,6 +112,13 @@ class FusedMoE(nn.Module):
             self.b2 = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype, device=device), requires_grad=False)
         self.first_rank = tp.rank == 0
         self.act = act_and_mul(activation) if isinstance(activation, str) else activation
+
+    def routed_bytes(self) -> int:
+        """This rank's bytes of the routed experts (a step reads those its tokens chose; a shared
+        expert's slots it reads whole)."""
+        slot = sum(p[0].numel() * p.element_size() for p in (self.w13, self.w2))
+        return slot * self.num_experts + sum(p.numel() * p.element_size() for p in (self.b13, self.b2)
+                                             if p is not None)
 
     def full_shapes(self) -> dict[str, tuple[int, ...]]:
         e, h, i = self.num_experts, self.hidden, self.intermediate
@@ -78,19 +129,23 @@ class FusedMoE(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard: object = None) -> None:
         which = next(n for n in ("w13", "w2", "b13", "b2") if param is getattr(self, n))
+        if shard is not None and shard[0] == "shared":
+            self.load_shared(which, param, full, shard[1])
+            return
         if shard is not None:
             self.load_expert(which, param, full, *shard)
             return
         want = self.full_shapes()[which]
         if tuple(full.shape) != want:
             raise ValueError(f"{self.name}.{which}: checkpoint tensor has shape {tuple(full.shape)}, expected {want}")
+        dst = param.data[:self.num_experts]  # (a shared expert's slots follow)
         if which == "b2":
-            param.data.copy_(full)
+            dst.copy_(full)
         elif which == "w2":
-            param.data.copy_(full.narrow(2, self.start, self.size))
+            dst.copy_(full.narrow(2, self.start, self.size))
         else:  # each half (gate, up) split on its own
-            param.data[:, :self.size].copy_(full.narrow(1, self.start, self.size))
-            param.data[:, self.size:].copy_(full.narrow(1, self.intermediate + self.start, self.size))
+            dst[:, :self.size].copy_(full.narrow(1, self.start, self.size))
+            dst[:, self.size:].copy_(full.narrow(1, self.intermediate + self.start, self.size))
 
     def load_expert(self, which: str, param: nn.Parameter, full: torch.Tensor, expert: int, half: int | None) -> None:
         """One expert's gate_proj (half 0) or up_proj (half 1) into w13, or its down_proj into w2."""
@@ -105,12 +160,30 @@ class FusedMoE(nn.Module):
         else:
             param.data[expert, half * self.size:(half + 1) * self.size].copy_(full.narrow(0, self.start, self.size))
 
+    def load_shared(self, which: str, param: nn.Parameter, full: torch.Tensor, half: int | None) -> None:
+        """The shared expert's gate_proj (half 0) or up_proj (half 1) [S, H], or its down_proj
+        [H, S]: this rank's S / tp columns into the slots after the routed experts."""
+        h, s = self.hidden, self.shared_intermediate
+        want = {"w13": (s, h), "w2": (h, s)}.get(which)
+        if not s or want is None or (which == "w13") != (half in (0, 1)):
+            raise ValueError(f"{self.name}: no shared expert tensor {which} half {half}")
+        if tuple(full.shape) != want:
+            raise ValueError(f"{self.name} (shared expert): checkpoint tensor has shape {tuple(full.shape)}, "
+                             f"expected {want}")
+        mine = full.narrow(0 if which == "w13" else 1, self.shared_start, self.shared_size)
+        for j in range(self.shared_slots):
+            cols = min(self.size, self.shared_size - j * self.size)
+            slot = self.num_experts + j
+            if which == "w2":
+                param.data[slot, :, :cols].copy_(mine.narrow(1, j * self.size, cols))
+            else:
+                param.data[slot, half * self.size:half * self.size + cols].copy_(mine.narrow(0, j * self.size, cols))
+
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         if self.renormalize:
-            weights, ids = topk_softmax_op(router_logits, self.top_k, x.dtype)
-        else:
-            probs, ids = torch.softmax(router_logits.float(), dim=-1).topk(self.top_k, dim=-1)
-            weights = probs.to(x.dtype)
+            weights, ids = topk_softmax_op(router_logits, self.top_k, x.dtype, self.shared_slots)
+        else:  # the softmax over all experts: a rare variant, through torch
+            weights, ids = topk_softmax_ref(router_logits, self.top_k, x.dtype, self.shared_slots, renormalize=False)
         return fused_experts_op(x, self.w13, self.w2, weights, ids, self.act, self.b13,
                                 self.b2 if self.first_rank else None)
 
@@ -119,4 +192,7 @@ class FusedMoE(nn.Module):
         each expert gets), so that no prefill compiles a kernel while serving."""
         for t in tokens_per_tile_band(self.num_experts, self.top_k):
             x = torch.zeros(t, self.hidden, dtype=self.w13.dtype, device=self.w13.device)
-            self(x, torch.randn(t, self.num_experts, device=x.device).to(x.dtype))  # the router's dtype
+            logits = torch.randn(t, self.num_experts + (1 if self.shared_slots else 0), device=x.device)
+            self(x, logits.to(x.dtype))  # the router's dtype
+        compile_align_variants(self.num_experts + self.shared_slots, self.top_k + self.shared_slots,
+                               self.w13.element_size(), x.device)

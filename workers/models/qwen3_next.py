@@ -14,8 +14,8 @@ layers, in the config's `layer_types` (the published config.json has none: every
   (i + 1) % `decoder_sparse_step` == 0, else an MLP of `intermediate_size`: the router's
   softmax over all experts, the top `num_experts_per_tok` (renormalised when `norm_topk_prob`),
   the routed experts of `moe_intermediate_size` (`workers/layers/moe.py`), plus the shared
-  expert (an MLP of `shared_expert_intermediate_size`) times sigmoid(`shared_expert_gate`);
-  both sums leave the layer through one all-reduce.
+  expert (an MLP of `shared_expert_intermediate_size`) times sigmoid(`shared_expert_gate`),
+  computed as more experts of the same stack; the sum leaves the layer through one all-reduce.
 
 Checkpoint names: the routed experts per expert (`mlp.experts.{e}.gate_proj.weight`,
 `up_proj`, `down_proj`: the published checkpoints, and what transformers' save_pretrained
@@ -37,7 +37,7 @@ from workers.layers.moe import FusedMoE, Router
 from workers.models.base import DecoderForCausalLM
 from workers.models.hybrid import HybridDecoderLayer, HybridForCausalLM
 from workers.models.llama import LlamaAttention
-from workers.ops import act_and_mul, linear_op
+from workers.ops import act_and_mul
 from workers.parallel import TPGroup
 
 
@@ -54,53 +54,37 @@ class Qwen3NextAttention(LlamaAttention):
 
 
 class Qwen3NextMLP(nn.Module):
-    """gate_proj / up_proj (column-parallel, fused) -> act(gate) * up -> down_proj (row-parallel;
-    `reduce` False leaves the partial sum to the caller's all-reduce)."""
+    """gate_proj / up_proj (column-parallel, fused) -> act(gate) * up -> down_proj (row-parallel)."""
 
-    def __init__(self, config, tp: TPGroup, dtype, device, prefix: str, intermediate: int,
-                 reduce: bool = True) -> None:
+    def __init__(self, config, tp: TPGroup, dtype, device, prefix: str, intermediate: int) -> None:
         super().__init__()
         h = config.hidden_size
         self.gate_up_proj = MergedColumnParallelLinear(h, [intermediate, intermediate], False, tp, dtype, device,
                                                        f"{prefix}.gate_up_proj")
-        self.down_proj = RowParallelLinear(intermediate, h, False, tp, dtype, device, f"{prefix}.down_proj",
-                                           reduce=reduce)
+        self.down_proj = RowParallelLinear(intermediate, h, False, tp, dtype, device, f"{prefix}.down_proj")
         self.act = act_and_mul(getattr(config, "hidden_act", None) or "silu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
-class SharedExpertGate(nn.Module):
-    """sigmoid(x w), w [1, hidden], replicated: the shared expert's share of each token."""
-
-    def __init__(self, hidden: int, dtype, device) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(1, hidden, dtype=dtype, device=device), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(linear_op(x, self.weight))
-
-
 class Qwen3NextSparseMoe(nn.Module):
-    """The router (`gate`), the routed experts and the gated shared expert; one all-reduce for
-    their sum (the shared gate is replicated, so it scales each rank's partial sum alike)."""
+    """The router (`gate`, with the shared expert's gate as its last row), the routed experts
+    and the shared expert in one stack (`workers/layers/moe.py`), and one all-reduce for their
+    sum (the shared gate is replicated, so it scales each rank's partial sum alike)."""
 
     def __init__(self, config, tp: TPGroup, dtype, device, prefix: str, renormalize: bool) -> None:
         super().__init__()
         h, e = config.hidden_size, int(config.num_experts)
         self.tp = tp
-        self.gate = Router(h, e, dtype, device)
+        self.gate = Router(h, e, dtype, device, shared_gate=True, name=f"{prefix}.gate")
         self.experts = FusedMoE(e, int(config.num_experts_per_tok), h, int(config.moe_intermediate_size),
                                 getattr(config, "hidden_act", None) or "silu", tp, dtype, device, f"{prefix}.experts",
-                                renormalize=renormalize)
-        self.shared_expert = Qwen3NextMLP(config, tp, dtype, device, f"{prefix}.shared_expert",
-                                          int(config.shared_expert_intermediate_size), reduce=False)
-        self.shared_expert_gate = SharedExpertGate(h, dtype, device)
+                                renormalize=renormalize,
+                                shared_intermediate=int(config.shared_expert_intermediate_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        routed = self.experts(x, self.gate(x))
-        return self.tp.all_reduce(routed + self.shared_expert_gate(x) * self.shared_expert(x))
+        return self.tp.all_reduce(self.experts(x, self.gate(x)))
 
 
 class Qwen3NextDecoderLayer(HybridDecoderLayer):
@@ -126,10 +110,13 @@ class Qwen3NextDecoderLayer(HybridDecoderLayer):
 
 
 # Checkpoint tensors filling one parameter of ours whose names are not ours: the DeltaNet
-# projection's parts, the experts one at a time or stacked.
+# projection's parts, the experts one at a time or stacked, the shared expert and its gate.
 _IN_PROJ = re.compile(r"^(.*\.linear_attn\.in_proj)_(qkvz|ba|qkv|z|b|a)\.weight$")
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 _STACKED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_SHARED_EXPERT = re.compile(r"^(.*\.mlp)\.shared_expert\.(gate|up|down)_proj\.weight$")
+_SHARED_GATE = re.compile(r"^(.*\.mlp)\.shared_expert_gate\.weight$")
+_HALF = {"gate": 0, "up": 1, "down": None}
 
 
 class Qwen3NextForCausalLM(HybridForCausalLM):
@@ -159,7 +146,13 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
             return f"{m[1]}.weight", m[2]
         m = _EXPERT.match(name)
         if m:
-            return f"{m[1]}.{'w2' if m[3] == 'down' else 'w13'}", (int(m[2]), {"gate": 0, "up": 1}.get(m[3]))
+            return f"{m[1]}.{'w2' if m[3] == 'down' else 'w13'}", (int(m[2]), _HALF[m[3]])
+        m = _SHARED_EXPERT.match(name)
+        if m and isinstance(self.get_submodule(m[1]), Qwen3NextSparseMoe):
+            return f"{m[1]}.experts.{'w2' if m[2] == 'down' else 'w13'}", ("shared", _HALF[m[2]])
+        m = _SHARED_GATE.match(name)
+        if m:
+            return f"{m[1]}.gate.weight", "shared"
         m = _STACKED_EXPERTS.match(name)
         if m:
             return f"{m[1]}.{'w13' if m[2] == 'gate_up_proj' else 'w2'}", None
@@ -177,12 +170,19 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
                 out[name] = [{f"{base}_{part}.weight": owner.part_shapes(part) for part in owner.parts}]
             elif isinstance(owner, FusedMoE) and name.endswith((".w13", ".w2")):
                 base = name.rsplit(".", 1)[0]
-                e, h, i = owner.num_experts, owner.hidden, owner.intermediate
+                mlp = base.rsplit(".", 1)[0]
+                e, h, i, s = owner.num_experts, owner.hidden, owner.intermediate, owner.shared_intermediate
                 if name.endswith(".w13"):
                     per_expert = {f"{base}.{x}.{p}_proj.weight": (i, h) for x in range(e) for p in ("gate", "up")}
-                    out[name] = [{f"{base}.gate_up_proj": shape}, per_expert]
+                    ways = [{f"{base}.gate_up_proj": shape}, per_expert]
+                    shared = {f"{mlp}.shared_expert.{p}_proj.weight": (s, h) for p in ("gate", "up")}
                 else:
-                    out[name] = [{f"{base}.down_proj": shape}, {f"{base}.{x}.down_proj.weight": (h, i) for x in range(e)}]
+                    ways = [{f"{base}.down_proj": shape}, {f"{base}.{x}.down_proj.weight": (h, i) for x in range(e)}]
+                    shared = {f"{mlp}.shared_expert.down_proj.weight": (h, s)}
+                out[name] = [{**way, **shared} for way in ways] if s else ways
+            elif isinstance(owner, Router) and owner.weight.shape[0] > owner.num_experts and name.endswith(".weight"):
+                mlp = name.rsplit(".", 2)[0]
+                out[name] = [{name: shape, f"{mlp}.shared_expert_gate.weight": (1, owner.hidden)}]
             else:
                 out[name] = [{name: shape}]
         return out
