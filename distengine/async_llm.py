@@ -24,6 +24,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from distengine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from distengine.config import EngineConfig
 from distengine.core_client import EngineClient, ProcessEngineClient, ThreadEngineClient
 from distengine.engine_messages import (AbortRequest, AddRequest, EngineDied, EngineEvent, FinishRequest, IdleStats,
@@ -33,6 +34,7 @@ from distengine.inputs import InputProcessor
 from distengine.hf_config import load_tokenizer_and_eos
 from distengine.metrics import EngineMetrics, StatsLogger
 from distengine.output_processor import OutputProcessor
+from distengine.parallel_sampling import child_params, choose, fork_point, prefix_params
 from distengine.outputs import CompletionOutput, RequestOutput
 from distengine.sampling_params import SamplingParams
 from distengine.scheduler import EngineRequest, SchedulerStats
@@ -134,9 +136,88 @@ class AsyncLLM:
     async def generate(self, prompt, sampling_params: SamplingParams, request_id: str,
                        checked: tuple[str | None, list[int]] | None = None) -> AsyncIterator[RequestOutput]:
         """Deltas of one request's output, the last one finished. `checked` is what `check`
-        returned, when the caller has already checked the prompt."""
+        returned, when the caller has already checked the prompt. Several completions (n,
+        best_of) come as deltas of each (`outputs[0].index` says which; `finished` once all
+        are); with best_of > n, only the chosen n, at the end."""
         self._raise_if_dead()
-        text, ids = checked if checked is not None else await asyncio.to_thread(self.check, prompt, sampling_params)
+        if checked is None:
+            checked = await asyncio.to_thread(self.check, prompt, sampling_params)
+        if sampling_params.num_children == 1:
+            async for out in self._generate_one(sampling_params, request_id, checked):
+                yield out
+            return
+        async for out in self._generate_forked(sampling_params, request_id, checked):
+            yield out
+
+    async def beam_search(self, prompt, params: BeamSearchParams, request_id: str,
+                          checked: tuple[str | None, list[int]] | None = None) -> BeamSearchOutput:
+        """`LLM.beam_search` for one prompt; each beam's text is its generated tokens' (EOS not
+        included), as vLLM's server gives it."""
+        step = params.step_params()
+        if checked is None:
+            checked = await asyncio.to_thread(self.check, prompt, step)
+        search = BeamSearch(checked[1], params, self.eos_token_ids, self.max_model_len)
+        while not search.done:
+            beams = search.requests()
+            outs = await asyncio.gather(*(self._final(step, f"{request_id}[beam {search.steps}.{j}]", (None, t))
+                                          for j, t in enumerate(beams)))
+            search.advance([o.outputs[0].logprobs[0] for o in outs])
+        n = search.prompt_len
+
+        def generated_text(tokens: list[int]) -> str | None:
+            tokens = tokens[n:-1] if tokens[-1] in self.eos_token_ids and not params.ignore_eos else tokens[n:]
+            return self.tokenizer.decode(tokens) if self.tokenizer is not None else None
+        return search.result(generated_text)
+
+    async def _final(self, sp: SamplingParams, request_id: str, checked) -> RequestOutput:
+        """A request's whole output (its deltas merged)."""
+        last = None
+        async for out in self._generate_one(sp, request_id, checked):
+            last = out if last is None else _merged(last, out)
+        return last
+
+    async def _generate_forked(self, sp: SamplingParams, request_id: str, checked) -> AsyncIterator[RequestOutput]:
+        """`distengine.parallel_sampling`: the prompt's whole blocks once, then each completion."""
+        text, ids = checked
+        prefix = fork_point(len(ids), self.info.plan.block_size) if self.config.enable_prefix_caching else 0
+        if prefix:
+            await self._final(prefix_params(), f"{request_id}[prefix]", (None, ids[:prefix]))
+        queue: asyncio.Queue = asyncio.Queue()
+        k = sp.num_children
+
+        async def pump(i: int) -> None:
+            try:
+                async for out in self._generate_one(child_params(sp, i), f"{request_id}[{i}]", (text, ids)):
+                    await queue.put((i, out))
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                await queue.put((i, e))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(k)]
+        whole: list[RequestOutput | None] = [None] * k
+        left = k
+        try:
+            while left:
+                i, out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                left -= out.finished
+                out.request_id = request_id
+                if sp.ranks_children:
+                    whole[i] = out if whole[i] is None else _merged(whole[i], out)
+                    continue
+                out.outputs[0].index, out.finished = i, not left
+                yield out
+            if sp.ranks_children:
+                last = whole[0]
+                last.outputs = choose([w.outputs[0] for w in whole], sp)
+                yield last
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _generate_one(self, sampling_params: SamplingParams, request_id: str,
+                            checked: tuple[str | None, list[int]]) -> AsyncIterator[RequestOutput]:
+        text, ids = checked
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), request_id)
         engine_id = f"{request_id}-{next(self._serial)}"
         with self._streams_lock:
@@ -175,9 +256,12 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         """End the running request of this (the caller's) id: the task reading its `generate`
-        gets a last output (finish_reason "abort"), and its blocks return to the pool."""
-        engine_id = self._engine_ids.get(request_id)
-        if engine_id is not None:
+        gets a last output (finish_reason "abort"), and its blocks return to the pool; every
+        completion of one of several (`[i]` after the id)."""
+        with self._streams_lock:
+            engine_ids = [e for rid, e in self._engine_ids.items()
+                          if rid == request_id or rid.startswith(f"{request_id}[")]
+        for engine_id in engine_ids:
             self._end(engine_id, "abort")
 
     def abort_all(self, error: BaseException) -> None:

@@ -133,6 +133,10 @@ class InputProcessor:
     def params(self, sp: SamplingParams, index: int) -> None:
         field = f"sampling_params[{index}]" if index >= 0 else "sampling_params"
         self.token_ids(sp.stop_token_ids, f"{field}.stop_token_ids")
+        if sp.logit_bias:
+            self.token_ids(list(sp.logit_bias), f"{field}.logit_bias (its keys)")
+        if sp.allowed_token_ids:
+            self.token_ids(sp.allowed_token_ids, f"{field}.allowed_token_ids")
         if sp.logprobs is not None and sp.logprobs > self.vocab_size:
             raise ValueError(f"{field}.logprobs = {sp.logprobs} exceeds the vocabulary ({self.vocab_size}); "
                              f"-1 asks for all of it")

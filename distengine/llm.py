@@ -8,11 +8,13 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 
+from distengine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from distengine.config import EngineConfig
 from distengine.engine_core import EngineCore
 from distengine.inputs import InputProcessor, check_message_content
 from distengine.outputs import RequestOutput
 from distengine.output_processor import OutputProcessor
+from distengine.parallel_sampling import child_params, choose, fork_point, prefix_params
 from distengine.sampling_params import SamplingParams
 from distengine.scheduler import EngineRequest, SchedulerStats
 from distengine.hf_config import load_tokenizer_and_eos
@@ -55,20 +57,31 @@ class LLM:
         """Outputs in the order of `prompts`. Every prompt and its params are checked first
         (`distengine.inputs`): a bad one raises and nothing is queued."""
         requests = self.inputs.requests(prompts, sampling_params)
-        ids = []
+        ids: list[str] = []
         try:
-            for text, tokens, sp in requests:
-                rid = str(next(self._ids))
-                ids.append(rid)
-                self.output_processor.add_request(rid, text, tokens, sp)
-                self.engine.add_request(EngineRequest(rid, tokens, sampling=sp, eos_token_ids=self.eos_token_ids))
-            self._run(ids, use_tqdm)
+            # The shared blocks of each prompt with several completions, computed once first.
+            if self.config.enable_prefix_caching:
+                prefixes = [tokens[:fork_point(len(tokens), self.plan.block_size)] for _, tokens, sp in requests
+                            if sp.num_children > 1]
+                hidden = [self._add(None, p, prefix_params(), ids) for p in prefixes if p]
+                self._run(hidden, use_tqdm=False)
+                for rid in hidden:
+                    self.output_processor.pop(rid)
+            groups = [[self._add(text, tokens, sp if sp.num_children == 1 else child_params(sp, i), ids)
+                       for i in range(sp.num_children)] for text, tokens, sp in requests]
+            self._run([rid for group in groups for rid in group], use_tqdm)
         except BaseException:  # Ctrl-C included (held until a step ends): this call's requests go
             self.engine.abort(ids)
             for rid in ids:
                 self.output_processor.pop(rid)
             raise
-        return [self.output_processor.pop(rid).output() for rid in ids]
+        outputs = []
+        for (_, _, sp), group in zip(requests, groups):
+            out = [self.output_processor.pop(rid).output() for rid in group]
+            if sp.num_children > 1:
+                out[0].outputs = choose([o.outputs[0] for o in out], sp)
+            outputs.append(out[0])
+        return outputs
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
@@ -97,7 +110,31 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's beam search (`distengine.beam_search`): each step, one request per live beam
+        of every prompt; the beams share their blocks through the prefix cache."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        step = params.step_params()
+        searches = [BeamSearch(tokens, params, self.eos_token_ids, self.max_model_len)
+                    for _, tokens, _ in self.inputs.requests(prompts, step)]
+        while live := [s for s in searches if not s.done]:
+            beams = [tokens for s in live for tokens in s.requests()]
+            outs = iter(self.generate([{"prompt_token_ids": t} for t in beams], step, use_tqdm=use_tqdm))
+            for s in live:
+                s.advance([next(outs).outputs[0].logprobs[0] for _ in s.requests()])
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        return [s.result(decode) for s in searches]
+
     # ---- internals -----------------------------------------------------------------------
+    def _add(self, text: str | None, tokens: list[int], sp: SamplingParams, ids: list[str]) -> str:
+        rid = str(next(self._ids))
+        ids.append(rid)
+        self.output_processor.add_request(rid, text, tokens, sp)
+        self.engine.add_request(EngineRequest(rid, tokens, sampling=sp, eos_token_ids=self.eos_token_ids))
+        return rid
+
     def _run(self, ids: list[str], use_tqdm: bool) -> None:
         bar = None
         if use_tqdm:

@@ -18,7 +18,8 @@ from dataclasses import dataclass, fields
 from numbers import Integral, Real
 from typing import Any
 
-from distengine.limits import (MAX_INT, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, bad_text)
+from distengine.limits import (MAX_INT, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKEN_IDS,
+                               bad_text)
 from distengine.step import RequestSampling
 
 __all__ = ["SamplingParams", "SAMPLING_EPS"]
@@ -50,7 +51,9 @@ def _finite(v: Real) -> bool:
 class SamplingParams:
     """Sampling parameters for one request (see vLLM's ``SamplingParams``).
 
-    n: completions per prompt (only 1 supported for now).
+    n: completions per prompt (they share the prompt's blocks: `distengine.parallel_sampling`).
+    best_of: completions generated, of which the n of highest cumulative logprob are returned
+        (None: n).
     temperature: 0 (or < 1e-5) = greedy.
     top_p: nucleus probability in (0, 1]; 1 = off.
     top_k: 0 or -1 = off, else keep the k most likely tokens.
@@ -58,7 +61,8 @@ class SamplingParams:
     presence_penalty / frequency_penalty: in [-2, 2]; 0 = off.
     repetition_penalty: > 0; 1 = off.
     max_tokens: >= 1, or None = up to the model's max_model_len.
-    min_tokens: EOS / stop_token_ids are not honoured before this many output tokens.
+    min_tokens: EOS (unless ignore_eos) and stop_token_ids cannot be sampled before this many
+        output tokens (their logits are barred, as vLLM's), nor stop strings end the request.
     stop: stop strings (the output text ends before the first one, unless
         include_stop_str_in_output).
     stop_token_ids: extra token ids that end the request (the token is kept in token_ids).
@@ -67,8 +71,11 @@ class SamplingParams:
     logprobs: None = none; k >= 0 = the sampled token's logprob plus the top-k; -1 = whole vocab.
     include_stop_str_in_output: keep the matched stop string in the text.
     skip_special_tokens: drop special tokens from the detokenised text.
+    logit_bias: {token id: bias} added to the logits before the penalties (finite values).
+    allowed_token_ids: when given (not empty), only these tokens can be sampled.
     """
     n: int = 1
+    best_of: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -85,6 +92,8 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
@@ -113,9 +122,15 @@ class SamplingParams:
                              f"{type(self.stop_token_ids).__name__}.")
 
         self._verify_args()
+        if self.logit_bias is not None:
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(dict.fromkeys(int(t) for t in self.allowed_token_ids))
 
         # Canonical Python scalars (msgpack-friendly, no numpy scalars leaking through).
         self.n = int(self.n)
+        if self.best_of is not None:
+            self.best_of = int(self.best_of)
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
         self.top_k = int(self.top_k)
@@ -144,8 +159,13 @@ class SamplingParams:
             raise ValueError(f"n must be an int, got {type(self.n).__name__}.")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
-        if self.n > 1:
-            raise ValueError(f"n > 1 is not supported yet (got n={self.n}); use n=1.")
+        if self.n > MAX_N:
+            raise ValueError(f"n must be at most {MAX_N}, got {self.n}.")
+        if self.best_of is not None:
+            if not _is_int(self.best_of):
+                raise ValueError(f"best_of must be an int, got {type(self.best_of).__name__}.")
+            if not self.n <= self.best_of <= MAX_N:
+                raise ValueError(f"best_of must be at least n={self.n} and at most {MAX_N}, got {self.best_of}.")
         # penalties
         for name, lo, hi in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0)):
             v = getattr(self, name)
@@ -239,12 +259,45 @@ class SamplingParams:
             raise ValueError(f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters long.")
         if any(bad_text(s) for s in self.stop):
             raise ValueError("stop strings must be valid text (UTF-8 cannot carry a lone surrogate).")
+        # logit adjustments
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id to bias, got {type(self.logit_bias).__name__}.")
+            if len(self.logit_bias) > MAX_TOKEN_IDS:
+                raise ValueError(f"logit_bias may hold at most {MAX_TOKEN_IDS} tokens, got {len(self.logit_bias)}.")
+            for t, b in self.logit_bias.items():
+                if not _is_int(t) or not 0 <= t <= MAX_INT:
+                    raise ValueError(f"logit_bias keys must be token ids (integers in [0, {MAX_INT}]), got {t!r:.80}.")
+                if not _is_real(b) or not _finite(b):
+                    raise ValueError(f"logit_bias[{t}] must be a finite number, got {b!r:.80}.")
+        if self.allowed_token_ids is not None:
+            if isinstance(self.allowed_token_ids, (str, bytes, dict)) or not isinstance(self.allowed_token_ids,
+                                                                                      (list, tuple, set, frozenset)):
+                raise ValueError(f"allowed_token_ids must be a list of token ids, got "
+                                 f"{type(self.allowed_token_ids).__name__}.")
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids cannot be empty (leave it out to allow every token).")
+            if len(self.allowed_token_ids) > MAX_TOKEN_IDS:
+                raise ValueError(f"allowed_token_ids may hold at most {MAX_TOKEN_IDS} ids.")
+            if not all(_is_int(t) and 0 <= t <= MAX_INT for t in self.allowed_token_ids):
+                raise ValueError(f"allowed_token_ids must contain only integers in [0, {MAX_INT}], got "
+                                 f"{list(self.allowed_token_ids)!r:.200}.")
         # flags
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}.")
 
     # ------------------------------------------------------------------ helpers
+    @property
+    def num_children(self) -> int:
+        """The completions generated: best_of, or n."""
+        return self.best_of or self.n
+
+    @property
+    def ranks_children(self) -> bool:
+        """More are generated than returned: the cumulative logprobs choose."""
+        return self.best_of is not None and self.best_of > self.n
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
@@ -257,10 +310,11 @@ class SamplingParams:
             return max(len(s) for s in self.stop) - 1
         return 0
 
-    def for_workers(self) -> RequestSampling:
+    def for_workers(self, eos_token_ids=()) -> RequestSampling:
         """What the workers sample this request with: greedy as temperature 0, top-k off as 0,
-        and the seed reduced to its low 64 bits as a signed int64 (what the workers' draws use),
-        so that any Python int travels in the step's msgpack."""
+        the seed reduced to its low 64 bits as a signed int64 (what the workers' draws use), so
+        that any Python int travels in the step's msgpack, and the tokens min_tokens bars (the
+        model's `eos_token_ids` unless ignore_eos, and stop_token_ids)."""
         seed = self.seed
         if seed is not None and not (_INT64_MIN <= seed <= _INT64_MAX):
             seed &= _MASK64
@@ -269,8 +323,13 @@ class SamplingParams:
         return RequestSampling(temperature=0.0 if self.is_greedy else self.temperature,
                                top_k=max(self.top_k, 0), top_p=self.top_p, min_p=self.min_p,
                                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                               repetition_penalty=self.repetition_penalty, seed=seed, logprobs=self.logprobs)
+                               repetition_penalty=self.repetition_penalty, seed=seed, logprobs=self.logprobs,
+                               logit_bias=tuple(sorted((self.logit_bias or {}).items())),
+                               allowed_token_ids=tuple(self.allowed_token_ids or ()), min_tokens=self.min_tokens,
+                               stop_ids=tuple(sorted({*self.stop_token_ids,
+                                                      *(() if self.ignore_eos else eos_token_ids)}))
+                               if self.min_tokens else ())
 
     def clone(self) -> "SamplingParams":
         return SamplingParams(**{f.name: (list(v) if isinstance(v := getattr(self, f.name), list)
-                                          else v) for f in fields(self)})
+                                          else dict(v) if isinstance(v, dict) else v) for f in fields(self)})

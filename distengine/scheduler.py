@@ -101,6 +101,9 @@ class Scheduler:
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
+        if req.sampling.num_children > 1:
+            raise ValueError("a request of several completions (n, best_of) reaches the engine as one request "
+                             "per completion: the front ends (LLM, AsyncLLM) fork it (distengine.parallel_sampling)")
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         if not req.prompt_token_ids:
@@ -302,7 +305,7 @@ class Scheduler:
         return plan
 
     def _new_request(self, req: EngineRequest) -> NewRequest:
-        sampling = req.sampling.for_workers()
+        sampling = req.sampling.for_workers(req.eos_token_ids)
         return NewRequest(req.request_id, [list(t) for t in self.manager.get_block_ids(req.request_id)],
                           sampling, req.num_output_tokens,
                           list(req.prompt_token_ids) if sampling.reads_prompt else [],

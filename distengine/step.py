@@ -27,6 +27,21 @@ class RequestSampling:
     repetition_penalty: float = 1.0   # 1: off
     seed: int | None = None           # its low 64 bits, as a signed int64
     logprobs: int | None = None       # None: none; k: the sampled token's and the top k; -1: every token's
+    # Logit adjustments, before the penalties (vLLM's order); sequences (lists once decoded).
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token, bias) pairs added to the logits
+    allowed_token_ids: tuple[int, ...] = ()  # when not empty, every other token is barred
+    min_tokens: int = 0                     # `stop_ids` are barred until this many output tokens
+    stop_ids: tuple[int, ...] = ()          # EOS (unless ignore_eos) and stop_token_ids
+
+    def __post_init__(self) -> None:
+        # msgpack gives sequences back as lists: tuples keep the record equal to the one sent.
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
+        object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        object.__setattr__(self, "stop_ids", tuple(self.stop_ids))
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return bool(self.logit_bias or self.allowed_token_ids or (self.min_tokens and self.stop_ids))
 
     @property
     def greedy(self) -> bool:

@@ -32,6 +32,12 @@ def test_bench_latency(tiny, tmp_path, capsys):
         assert r["batch_size"] == b and len(r["latencies"]) == 2 and r["hf_output_tok_s"] > 0
         assert math.isfinite(r["decode_step_s"]) and 0 < r["roofline_decode_step_s"] < r["decode_step_s"]
         assert r["output_tok_s"] == pytest.approx(b * 5 / r["avg_latency"])
+    # n completions a prompt: b x n sequences decode.
+    assert main(["bench", "latency", "--model", tiny, "--device", "cpu", "--batch-size", "2", "--input-len", "8",
+                 "--output-len", "4", "--n", "3", "--num-iters", "1", "--num-iters-warmup", "0",
+                 "--output-json", str(out)]) == 0
+    r = json.loads(out.read_text())["results"][0]
+    assert r["n"] == 3 and math.isfinite(r["decode_step_s"]) and r["output_tok_s"] == pytest.approx(24 / r["avg_latency"])
 
 
 def test_bench_throughput_random_and_dataset(tiny, tmp_path, capsys):

@@ -151,6 +151,87 @@ def test_bad_input_is_refused_cleanly(qwen3):
         assert len(out[0].outputs[0].token_ids) == 3
 
 
+def test_logit_bias_allowed_tokens_and_min_tokens_through_the_engine(qwen3):
+    """Through the persistent batch, beside requests that ask for nothing: a +100 bias makes its
+    token the greedy choice; allowed_token_ids keeps sampled tokens on the list; min_tokens
+    bars a stop token that would end the request at once; a bias token outside the vocabulary
+    is refused by name, and nothing is left behind."""
+    _, folder = qwen3
+    prompt = {"prompt_token_ids": [3, 4, 5, 6]}
+    with LLM(folder, device="cpu", dtype="float32", block_size=4, max_model_len=64) as llm:
+        plain = llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)[0].outputs[0]
+        first = plain.token_ids[0]
+        params = [SamplingParams(max_tokens=6, temperature=0, logit_bias={17: 100.0}),
+                  SamplingParams(max_tokens=6, temperature=1.0, seed=3, allowed_token_ids=[9, 11, 40]),
+                  SamplingParams(max_tokens=6, temperature=0, stop_token_ids=[first]),
+                  SamplingParams(max_tokens=6, temperature=0, stop_token_ids=[first], min_tokens=3),
+                  SamplingParams(max_tokens=6, temperature=0)]
+        outs = [o.outputs[0].token_ids for o in llm.generate([prompt] * 5, params, use_tqdm=False)]
+        assert outs[0] == [17] * 6
+        assert set(outs[1]) <= {9, 11, 40} and len(outs[1]) == 6
+        assert outs[2] == [first]
+        assert len(outs[3]) >= 4 and first not in outs[3][:3]
+        assert outs[4] == plain.token_ids
+        with pytest.raises(ValueError, match=r"logit_bias \(its keys\)\[0\] = 10000000 is not a token id"):
+            llm.generate(prompt, SamplingParams(logit_bias={10_000_000: 1.0}), use_tqdm=False)
+        assert llm.scheduler.manager.num_free_blocks == llm.scheduler.manager.pool.num_blocks - 1
+
+
+def _beam_search_oracle(hf, prompt, width, steps, eos):
+    """vLLM's beam search rule on transformers' float32 log-softmax: extend each beam by its
+    2 x width best tokens, keep the width best by cum / length (EOS not counted)."""
+    def score(b):
+        tokens, cum = b
+        return cum / (len(tokens) - (1 if tokens[-1] in eos else 0))
+    beams, done = [(list(prompt), 0.0)], []
+    for _ in range(steps):
+        grown = []
+        for tokens, cum in beams:
+            with torch.no_grad():
+                lp = torch.log_softmax(hf(torch.tensor([tokens])).logits[0, -1].double(), -1)
+            top = lp.topk(2 * width)
+            for t, v in zip(top.indices.tolist(), top.values.tolist()):
+                (done if t in eos else grown).append((tokens + [t], cum + v))
+        beams = sorted(grown, key=score, reverse=True)[:width]
+    return sorted(done + beams, key=score, reverse=True)[:width]
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_5"])
+def test_several_completions_share_the_prompt_and_beam_search(tmp_path_factory, name):
+    """n completions are the n=1 requests of seeds seed .. seed + n - 1, computed on the prompt's
+    shared blocks (each child hits the whole blocks a hidden request computed once, Gated DeltaNet
+    state included); best_of keeps the n of highest cumulative logprob; beam search gives the
+    beams of vLLM's rule evaluated on transformers' logits."""
+    from distengine.beam_search import BeamSearchParams
+    hf, folder = _folder(tmp_path_factory, name)
+    prompt = _prompts(1, shared=30)[0]
+    with LLM(folder, device="cpu", dtype="float32", block_size=4, max_model_len=128) as llm:
+        block = llm.plan.block_size
+        sp = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+        got = llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0]
+        assert [c.index for c in got.outputs] == [0, 1, 2]
+        assert got.num_cached_tokens == (len(prompt) - 1) // block * block > 0
+        alone = llm.generate([{"prompt_token_ids": prompt}] * 3,
+                             [SamplingParams(temperature=1.0, seed=7 + i, max_tokens=6, ignore_eos=True)
+                              for i in range(3)], use_tqdm=False)
+        assert [c.token_ids for c in got.outputs] == [o.outputs[0].token_ids for o in alone]
+        best = llm.generate({"prompt_token_ids": prompt}, SamplingParams(n=2, best_of=5, temperature=1.0, seed=1,
+                                                                          max_tokens=4, ignore_eos=True),
+                            use_tqdm=False)[0].outputs
+        five = llm.generate({"prompt_token_ids": prompt}, SamplingParams(n=5, temperature=1.0, seed=1, max_tokens=4,
+                                                                          ignore_eos=True, logprobs=0),
+                            use_tqdm=False)[0].outputs
+        ranked = sorted(five, key=lambda c: c.cumulative_logprob, reverse=True)[:2]
+        assert [c.token_ids for c in best] == [c.token_ids for c in ranked]
+        assert best[0].logprobs is None and best[0].cumulative_logprob is None and [c.index for c in best] == [0, 1]
+        beams = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=2, max_tokens=3))[0]
+        want = _beam_search_oracle(hf, prompt, 2, 3, llm.eos_token_ids)
+        assert [b.tokens for b in beams.sequences] == [t for t, _ in want]
+        for b, (_, cum) in zip(beams.sequences, want):
+            assert abs(b.cum_logprob - cum) < 1e-4
+        assert llm.scheduler.manager.num_free_blocks == llm.scheduler.manager.pool.num_blocks - 1
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray")

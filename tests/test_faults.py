@@ -60,8 +60,11 @@ BAD_BODIES = [
     ("stop", {"stop": ["x"] * 10_000}), ("stop", {"stop": ["y" * 5000]}),
     ("stop_token_ids", {"stop_token_ids": list(range(2000))}), ("stop_token_ids", {"stop_token_ids": [2 ** 64]}),
     ("prompt", {"prompt": ["a"] * 1025}), ("model", {"model": "\ud800"}), ("stop", {"stop": ["\udc00"]}),
-    ("prompt", {"prompt": "water \ud800"}), ("logit_bias", {"logit_bias": {"5": 100}}),
-    ("prompt_logprobs", {"prompt_logprobs": 1}), ("use_beam_search", {"use_beam_search": True}),
+    ("prompt", {"prompt": "water \ud800"}), ("logit_bias", {"logit_bias": {"x": 1}}),
+    ("logit_bias", {"logit_bias": {"999999999": 1}}),
+    ("allowed_token_ids", {"allowed_token_ids": []}), ("allowed_token_ids", {"allowed_token_ids": [2 ** 40]}),
+    ("prompt_logprobs", {"prompt_logprobs": 1}), ("use_beam_search", {"use_beam_search": True, "stream": True}),
+    ("top_p", {"use_beam_search": True, "top_p": 0.5}), ("n", {"n": 129}), ("best_of", {"n": 3, "best_of": 2}),
     ("bad_words", {"bad_words": ["x"]}), ("guided_json", {"guided_json": {"type": "object"}}),
 ]
 

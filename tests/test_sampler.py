@@ -42,6 +42,46 @@ def chi_square(tokens: torch.Tensor, expected_p: torch.Tensor) -> float:
     return float(((counts[support] - exp) ** 2 / exp).sum())
 
 
+# --------------------------------------------------------------------------- logit adjustments
+
+def test_logit_bias_allowed_tokens_and_min_tokens():
+    """logit_bias moves the greedy choice; allowed_token_ids keeps the draws (and the logprobs)
+    on its tokens; min_tokens bars the stop tokens (EOS unless ignore_eos, and stop_token_ids)
+    until the row has that many outputs; rows that ask for nothing are untouched."""
+    v = 16
+    logits = torch.randn(6, v, device=DEV, generator=torch.Generator(DEV).manual_seed(0))
+    top = int(logits[0].argmax())
+    second = int(logits[2].topk(2).indices[1])
+    params = [SamplingParams(temperature=0, logit_bias={3: 100.0}).for_workers(),
+              SamplingParams(temperature=1.0, seed=1, allowed_token_ids=[5, 7], logprobs=2).for_workers(),
+              SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[int(logits[2].argmax())]).for_workers(),
+              SamplingParams(temperature=0, min_tokens=2).for_workers(eos_token_ids=[int(logits[3].argmax())]),
+              SamplingParams(temperature=0, min_tokens=2, ignore_eos=True).for_workers(
+                  eos_token_ids=[int(logits[4].argmax())]),
+              P(temperature=0)]
+    outputs = [[], [], [1], [1, 2], [], []]
+    out = sample(logits, build(params, v, outputs=outputs))
+    got = out.token_ids.tolist()
+    assert got[0] == 3 and got[0] != top or top == 3
+    assert got[1] in (5, 7)
+    assert set(out.top_token_ids[1].tolist()) == {5, 7}
+    assert torch.isinf(out.top_logprobs[1]).sum() == 0 and torch.isfinite(out.logprobs[1])
+    assert got[2] == second  # one output so far: its stop token is still barred
+    assert got[3] == int(logits[3].argmax())  # two outputs: EOS may come
+    assert got[4] == int(logits[4].argmax())  # ignore_eos: EOS is no stop token, never barred
+    assert got[5] == int(logits[5].argmax())
+    draws = [sample(torch.zeros(1, v, device=DEV), build([SamplingParams(temperature=1.0, seed=s, allowed_token_ids=[5, 7])
+                                        .for_workers()], v)).token_ids.item() for s in range(40)]
+    assert set(draws) == {5, 7}
+
+
+def test_min_tokens_record_names_its_stop_tokens():
+    r = SamplingParams(min_tokens=3, stop_token_ids=[9, 4]).for_workers(eos_token_ids=frozenset({2}))
+    assert r.stop_ids == (2, 4, 9) and r.adjusts_logits
+    assert SamplingParams(min_tokens=3, ignore_eos=True).for_workers(eos_token_ids=[2]).stop_ids == ()
+    assert not SamplingParams(stop_token_ids=[4]).for_workers(eos_token_ids=[2]).adjusts_logits
+
+
 # --------------------------------------------------------------------------- greedy / temperature
 
 def test_greedy_equals_argmax():
@@ -344,9 +384,10 @@ def test_no_host_sync_calls_in_module_source():
 def test_no_sync_under_cuda_sync_debug_mode():
     v = 1000
     params = [P(temperature=0.0, logprobs=2), P(top_k=5, seed=3), P(top_p=0.9, min_p=0.05),
-              P(repetition_penalty=1.2, presence_penalty=0.1, frequency_penalty=0.2, logprobs=4)]
-    t = SamplingTensors.build(params, [[1, 2], [3], [], [5]], [[7], [], [8, 9], [1]], v, "cuda")
-    logits = torch.randn(4, v, device="cuda", dtype=torch.bfloat16)
+              P(repetition_penalty=1.2, presence_penalty=0.1, frequency_penalty=0.2, logprobs=4),
+              P(logit_bias={3: 5.0}, allowed_token_ids=[3, 4, 5], min_tokens=1, stop_token_ids=[4])]
+    t = SamplingTensors.build(params, [[1, 2], [3], [], [5], []], [[7], [], [8, 9], [1], []], v, "cuda")
+    logits = torch.randn(5, v, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

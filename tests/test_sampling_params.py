@@ -20,6 +20,7 @@ from workers.sampler import SamplingTensors
 
 WORKER_KEYS = {"temperature", "top_k", "top_p", "min_p", "presence_penalty",
                "frequency_penalty", "repetition_penalty", "seed", "logprobs"}
+ADJUST_KEYS = {"logit_bias", "allowed_token_ids", "min_tokens", "stop_ids"}  # the logit adjustments' record
 
 # ---------------------------------------------------------------------------- SamplingParams
 
@@ -91,9 +92,17 @@ def test_validation_names_field(field, kwargs):
     assert re.match(rf"{re.escape(field)}(?![a-z_])", msg), msg
 
 
-def test_n_greater_than_one_not_supported():
-    with pytest.raises(ValueError, match=r"^n > 1 is not supported yet"):
-        SamplingParams(n=2)
+def test_n_and_best_of():
+    p = SamplingParams(n=2, best_of=3)
+    assert p.num_children == 3 and p.ranks_children and SamplingParams(n=4).num_children == 4
+    assert not SamplingParams(n=2, best_of=2).ranks_children
+    for kw, match in ((dict(n=129), "n must be at most 128"), (dict(n=3, best_of=2), "best_of must be at least n=3"),
+                      (dict(best_of=1.5), "best_of must be an int")):
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(**kw)
+    with pytest.raises(ValueError, match="front ends"):  # the engine takes one completion a request
+        from distengine.scheduler import EngineRequest, Scheduler
+        Scheduler.add_request(None, EngineRequest("x", [1], sampling=p))
 
 
 def test_vllm_wording():
@@ -151,13 +160,18 @@ def test_for_workers_record():
                        frequency_penalty=-0.25, repetition_penalty=1.2, seed=1234, logprobs=3,
                        max_tokens=33, stop=["x"], stop_token_ids=[7])
     r = p.for_workers()
-    assert {f.name for f in dataclasses.fields(r)} == WORKER_KEYS
+    assert {f.name for f in dataclasses.fields(r)} == WORKER_KEYS | ADJUST_KEYS
     for k in WORKER_KEYS:
         assert getattr(r, k) == getattr(p, k)
-    assert r.penalised and r.reads_prompt and not r.greedy
+    assert r.penalised and r.reads_prompt and not r.greedy and not r.adjusts_logits
     # Plain scalars only (the plan is sent with msgpack), and it survives the step's encoding.
-    assert all(v is None or type(v) in (int, float) for v in dataclasses.astuple(r))
+    assert all(v is None or type(v) in (int, float) for v in dataclasses.astuple(r) if not isinstance(v, tuple))
     step = StepPlan(3, new_requests=[NewRequest("a", [[1]], r, 2, [1, 2], [3])])
+    assert StepPlan.decode(step.encode()) == step
+    a = SamplingParams(logit_bias={5: -1.5, 2: 3}, allowed_token_ids=[4, 2, 4], min_tokens=2,
+                       stop_token_ids=[8]).for_workers(eos_token_ids=[1])
+    assert (a.logit_bias, a.allowed_token_ids, a.min_tokens, a.stop_ids) == (((2, 3.0), (5, -1.5)), (4, 2), 2, (1, 8))
+    step = StepPlan(4, new_requests=[NewRequest("b", [[1]], a, 0)])
     assert StepPlan.decode(step.encode()) == step
     # Greedy is temperature 0; top_k -1 is 0 (off); penalties off are off.
     g = SamplingParams(temperature=5e-6, top_k=-1).for_workers()
@@ -486,3 +500,22 @@ def test_whatever_passes_the_checks_encodes_in_a_step(kw):
         return
     plan = StepPlan(0, [NewRequest("r", [[1]], sp.for_workers(), 0, [], [])])
     assert StepPlan.decode(plan.encode()) == plan
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(logit_bias={"5": 1.0}), "logit_bias keys must be token ids"),
+    (dict(logit_bias={True: 1.0}), "logit_bias keys must be token ids"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias keys must be token ids"),
+    (dict(logit_bias={5: float("nan")}), r"logit_bias\[5\] must be a finite number"),
+    (dict(logit_bias={5: "1"}), r"logit_bias\[5\] must be a finite number"),
+    (dict(logit_bias=[(5, 1.0)]), "logit_bias must be a dict"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids cannot be empty"),
+    (dict(allowed_token_ids="5"), "allowed_token_ids must be a list"),
+    (dict(allowed_token_ids=[1.5]), "allowed_token_ids must contain only integers"),
+])
+def test_logit_adjustments_are_checked(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kw)
+    p = SamplingParams(logit_bias={7: 2}, allowed_token_ids=(3, 3, 1))
+    assert p.logit_bias == {7: 2.0} and p.allowed_token_ids == [3, 1]
+    assert p.clone().logit_bias is not p.logit_bias

@@ -132,6 +132,50 @@ def server_model(client) -> str:
     return client.models.list().data[0].id
 
 
+def test_logit_bias_and_allowed_token_ids_are_honoured(server):
+    """OpenAI's logit_bias (string keys) at temperature 0 makes its token the output; vLLM's
+    allowed_token_ids keeps a sampled completion on its tokens."""
+    c = server.client
+
+    def text(ids):
+        return server.post("/detokenize", {"tokens": ids}).json()["prompt"]
+    r = c.completions.create(model=server_model(c), prompt=[5, 6, 7], max_tokens=4, temperature=0,
+                             logit_bias={"42": 100}, extra_body={"ignore_eos": True})
+    assert r.choices[0].text == text([42] * 4)
+    r = c.completions.create(model=server_model(c), prompt=[5, 6, 7], max_tokens=5, temperature=1.0, seed=1,
+                             logprobs=0, extra_body={"ignore_eos": True, "allowed_token_ids": [40, 41]})
+    assert len(r.choices[0].logprobs.tokens) == 5
+    assert {t.strip() for t in r.choices[0].logprobs.tokens} <= {text([40]), text([41])}  # (a word tokenizer)
+
+
+def test_n_best_of_and_beam_search(server):
+    """n choices per prompt (prompt i's j-th is choice i * n + j), whole and streamed, each the
+    completion of its own seed; best_of ranks more than it returns; vLLM's use_beam_search gives
+    the n best beams."""
+    c = server.client
+    r = c.completions.create(model=server_model(c), prompt=[[5, 6, 7, 8, 9, 10], [8, 9]], max_tokens=4, n=3,
+                             temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+    assert [ch.index for ch in r.choices] == list(range(6)) and r.usage.completion_tokens == 24
+    assert r.usage.prompt_tokens == 8
+    alone = c.completions.create(model=server_model(c), prompt=[8, 9], max_tokens=4, temperature=1.0, seed=12,
+                                 extra_body={"ignore_eos": True})
+    assert r.choices[4].text == alone.choices[0].text  # prompt 1, completion 1: seed 11 + 1
+    chunks = list(c.completions.create(model=server_model(c), prompt=[5, 6, 7, 8, 9, 10], max_tokens=4, n=3,
+                                       temperature=1.0, seed=11, stream=True, extra_body={"ignore_eos": True}))
+    texts = {i: "".join(ch.choices[0].text for ch in chunks if ch.choices and ch.choices[0].index == i)
+             for i in range(3)}
+    assert [texts[i] for i in range(3)] == [ch.text for ch in r.choices[:3]]
+    assert sum(1 for ch in chunks if ch.choices and ch.choices[0].finish_reason == "length") == 3
+    r = c.completions.create(model=server_model(c), prompt=[5, 6, 7], max_tokens=3, n=1, temperature=1.0, seed=2,
+                             extra_body={"ignore_eos": True, "best_of": 3})
+    assert len(r.choices) == 1 and r.choices[0].finish_reason == "length"
+    msgs = [{"role": "user", "content": "who made oil"}]
+    r = c.chat.completions.create(model=server_model(c), messages=msgs, max_tokens=3, n=2,
+                                  extra_body={"use_beam_search": True, "ignore_eos": True})
+    assert [ch.index for ch in r.choices] == [0, 1] and r.choices[0].message.content != r.choices[1].message.content
+    assert r.usage.completion_tokens == 6
+
+
 def test_cached_tokens_on_a_repeated_prefix(server):
     system = " ".join(["you are a helpful assistant ."] * 8)
     first = server.client.completions.create(model=server_model(server.client), prompt=system + " what is water",
@@ -179,7 +223,7 @@ ERRORS = [  # (what, path, body, raw body?, key, status, message part, param)
      "stop_token_ids", "stop_token_ids"),
     ("prompt + max_tokens past max_model_len", "/v1/completions", {"prompt": "x", "max_tokens": 1000}, False, KEY, 400,
      "maximum context length is 256 tokens; the request asks for 1001", "max_tokens"),
-    ("n > 1", "/v1/completions", {"prompt": "x", "n": 2}, False, KEY, 400, "n=1", "n"),
+    ("n past the limit", "/v1/completions", {"prompt": "x", "n": 200}, False, KEY, 400, "n must be at most 128", "n"),
     ("no messages", "/v1/chat/completions", {"messages": []}, False, KEY, 400, "messages", "messages"),
     ("an unknown model", "/v1/completions", {"prompt": "x", "model": "nope"}, False, KEY, 404, "does not exist", "model"),
     ("a chat template that refuses the messages", "/v1/chat/completions",
@@ -201,7 +245,7 @@ ERRORS = [  # (what, path, body, raw body?, key, status, message part, param)
     ("a repetition penalty float32 cannot hold", "/v1/completions", {"prompt": "x", "repetition_penalty": 1e-300},
      False, KEY, 400, "repetition_penalty must be in [1e-30, 1e30]", "repetition_penalty"),
     ("a seed past 64 bits", "/v1/completions", {"prompt": "x", "seed": 2 ** 64}, False, KEY, 400, "seed", "seed"),
-    ("best_of 0", "/v1/completions", {"prompt": "x", "best_of": 0}, False, KEY, 400, "best_of must be 1", "best_of"),
+    ("best_of 0", "/v1/completions", {"prompt": "x", "best_of": 0}, False, KEY, 400, "best_of must be at least n=1", "best_of"),
     ("top_logprobs without logprobs", "/v1/chat/completions",
      {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, False, KEY, 400, "needs logprobs: true",
      "top_logprobs"),

@@ -2,6 +2,9 @@
 
 Pipeline of `sample` (row = one request sampled this step):
 
+0. Logit adjustments (`LogitAdjustments`, only for rows that ask; vLLM's order, before the
+   penalties): `allowed_token_ids` bars every other token (-inf), `logit_bias` adds each bias, and
+   while a row has fewer than `min_tokens` outputs its stop tokens are barred.
 1. Penalties, on a float32 copy of the logits (the caller's tensor is never modified):
    repetition (tokens seen in prompt or output: positive logits divided by the penalty, negative
    ones multiplied), then frequency (``- freq * count_in_output``), then presence
@@ -49,7 +52,7 @@ from torch import Tensor
 
 from distengine.step import RequestSampling
 
-__all__ = ["SamplingTensors", "SamplerOutput", "sample", "apply_penalties", "seeded_uniform"]
+__all__ = ["LogitAdjustments", "SamplingTensors", "SamplerOutput", "sample", "apply_penalties", "seeded_uniform"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -93,6 +96,59 @@ def seeded_uniform(seeds: Tensor, counts: Tensor, vocab_size: int) -> Tensor:
 
 
 @dataclass
+class LogitAdjustments:
+    """The step's logit adjustments as sparse entries over its rows (built on the host from the
+    few rows that ask, `build`): entry i adds values[i] to logits[rows[i], tokens[i]] while that
+    row's output count is below until[i] (-inf bars a token); rows in `allowed_rows` keep only
+    the tokens of `allowed_pairs` ([2, P]: row, token)."""
+    rows: Tensor                  # [M] int64
+    tokens: Tensor                # [M] int64
+    values: Tensor                # [M] float32
+    until: Tensor                 # [M] int64
+    allowed_rows: Tensor | None   # [A] int64
+    allowed_pairs: Tensor | None  # [2, P] int64
+
+    @classmethod
+    def build(cls, records: list[tuple[int, RequestSampling]], device) -> "LogitAdjustments | None":
+        """(row in the step, record) of the rows that adjust; None when none does. The host
+        arrays reach the device through pinned memory without waiting for it."""
+        rows, tokens, values, until, allowed_rows, allowed = [], [], [], [], [], []
+        forever = np.iinfo(np.int64).max
+        for row, r in records:
+            for token, bias in r.logit_bias:
+                rows.append(row), tokens.append(token), values.append(bias), until.append(forever)
+            if r.min_tokens:
+                for token in r.stop_ids:
+                    rows.append(row), tokens.append(token), values.append(float("-inf")), until.append(r.min_tokens)
+            if r.allowed_token_ids:
+                allowed_rows.append(row)
+                allowed.extend((row, token) for token in r.allowed_token_ids)
+        if not rows and not allowed_rows:
+            return None
+        dev = torch.device(device)
+
+        def put(a: np.ndarray) -> Tensor:
+            t = torch.from_numpy(a)
+            return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t.to(dev)
+
+        i64 = np.int64
+        return cls(put(np.asarray(rows, i64)), put(np.asarray(tokens, i64)), put(np.asarray(values, np.float32)),
+                   put(np.asarray(until, i64)), put(np.asarray(allowed_rows, i64)) if allowed_rows else None,
+                   put(np.asarray(allowed, i64).reshape(-1, 2).T.copy()) if allowed_rows else None)
+
+    def apply(self, x: Tensor, output_counts: Tensor) -> None:
+        """In place on float32 logits [N, V]; `output_counts` [N]: each row's outputs so far."""
+        if self.allowed_rows is not None:
+            keep = torch.ones_like(x, dtype=torch.bool).index_fill_(0, self.allowed_rows, False)
+            rows, tokens = self.allowed_pairs
+            keep.index_put_((rows, tokens), torch.ones_like(rows, dtype=torch.bool))  # (a scalar would sync)
+            x.masked_fill_(~keep, float("-inf"))
+        if self.rows.numel():
+            live = output_counts[self.rows] < self.until
+            x.index_put_((self.rows, self.tokens), torch.where(live, self.values, 0.0), accumulate=True)
+
+
+@dataclass
 class SamplingTensors:
     """Per-step sampling parameters, one row per request sampled this step (same order as the
     logits rows); tensors live on the logits' device. `build` packs them from per-request records
@@ -124,6 +180,7 @@ class SamplingTensors:
     want_logprobs: bool = False  # some request asked for logprobs (even logprobs=0): fill .logprobs
     all_seeded: bool = False     # every non-greedy row is seeded: skip torch.rand
     generator: torch.Generator | None = None  # for unseeded rows (every TP rank draws the same)
+    adjust: LogitAdjustments | None = None  # (output_token_counts is filled when given)
 
     @classmethod
     def build(cls, params: list[RequestSampling], prompt_token_ids: list[list[int]],
@@ -168,7 +225,8 @@ class SamplingTensors:
             output_token_counts=torch.tensor([len(o) for o in output_token_ids], dtype=torch.int64).to(dev),
             prompt_mask=counts(prompt_token_ids).gt(0) if any_rep else None,
             output_counts=counts(output_token_ids) if flags["any_penalties"] else None,
-            generator=generator, **flags)
+            generator=generator, adjust=LogitAdjustments.build(
+                [(i, r) for i, r in enumerate(params) if r.adjusts_logits], dev), **flags)
 
 
 class RowFlags:
@@ -183,12 +241,13 @@ class RowFlags:
         self.penalised = np.zeros(num_rows, dtype=bool)
         self.reads_prompt = np.zeros(num_rows, dtype=bool)
         self.seeded = np.zeros(num_rows, dtype=bool)
+        self.adjusts = np.zeros(num_rows, dtype=bool)
         self.logprobs = np.full(num_rows, -1, dtype=np.int64)  # -1: none asked
 
     def set(self, row: int, r: RequestSampling, vocab_size: int) -> None:
         self.greedy[row], self.top_k[row], self.top_p[row] = r.greedy, 0 < r.top_k < vocab_size, r.top_p < 1.0
         self.min_p[row], self.penalised[row], self.reads_prompt[row] = r.min_p > 0.0, r.penalised, r.reads_prompt
-        self.seeded[row] = r.seed is not None
+        self.seeded[row], self.adjusts[row] = r.seed is not None, r.adjusts_logits
         self.logprobs[row] = num_logprobs(r, vocab_size) if r.logprobs is not None else -1
 
     def batch(self, rows: np.ndarray) -> dict:
@@ -293,7 +352,12 @@ def sample(logits: Tensor, t: SamplingTensors) -> SamplerOutput:
     """Sample one token per row of ``logits`` [N, V] (any float dtype; V must equal the
     ``vocab_size`` given to `SamplingTensors.build`, i.e. slice off lm_head padding first).
     The input tensor is not modified.  No host synchronisation."""
-    if t.any_penalties:
+    if t.adjust is not None:
+        x = logits.to(torch.float32, copy=True)
+        t.adjust.apply(x, t.output_token_counts)
+        if t.any_penalties:
+            x = apply_penalties(x, t)
+    elif t.any_penalties:
         x = apply_penalties(logits, t)
     else:
         x = logits.to(torch.float32)  # may alias `logits`: only out-of-place ops on x below

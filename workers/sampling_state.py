@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from distengine.step import NewRequest, RequestSampling
-from workers.sampler import RowFlags, SamplingTensors, seed_bits, top_k_or_vocab
+from workers.sampler import LogitAdjustments, RowFlags, SamplingTensors, seed_bits, top_k_or_vocab
 from workers.staging import Section, Staging
 
 # The per-row tensors staged as float32 and as int64, each a column of its section: one list for
@@ -48,10 +48,15 @@ class SamplingState:
         self.output_counts = torch.zeros(num_rows, V, dtype=torch.int32, device=device)
         self.flags = RowFlags(num_rows)
         self._new: list[tuple[int, NewRequest]] = []
+        self._records: dict[int, RequestSampling] = {}  # the rows whose records adjust logits
 
     def add(self, row: int, req: NewRequest) -> None:
         self.flags.set(row, req.sampling, self.vocab_size)
         self._new.append((row, req))
+        if req.sampling.adjusts_logits:
+            self._records[row] = req.sampling
+        else:
+            self._records.pop(row, None)
 
     @property
     def num_queued_words(self) -> int:
@@ -121,15 +126,18 @@ class SamplingState:
             return t[rows] if need else empty
 
         f, i, seeded = self.f32, self.i64, flags["any_seeded"]
+        adjusting = np.flatnonzero(self.flags.adjusts[rows_np])
+        adjust = LogitAdjustments.build([(int(k), self._records[int(rows_np[k])]) for k in adjusting], self.device) \
+            if adjusting.size else None
         return SamplingTensors(
             temperature=take(f["temperature"], not flags["all_greedy"]), top_k=take(i["top_k"], flags["any_top_k"]),
             top_p=take(f["top_p"], flags["any_top_p"]), min_p=take(f["min_p"], flags["any_min_p"]),
             presence_penalty=take(f["presence_penalty"], pen), frequency_penalty=take(f["frequency_penalty"], pen),
             repetition_penalty=take(f["repetition_penalty"], pen), seeds=take(i["seed"], seeded),
             has_seed=take(i["has_seed"], seeded).bool() if seeded else empty,
-            output_token_counts=take(i["output_token_count"], seeded),
+            output_token_counts=take(i["output_token_count"], seeded or adjust is not None),
             prompt_mask=self.prompt_mask[rows] if pen and self.flags.reads_prompt[rows_np].any() else None,
-            output_counts=self.output_counts[rows] if pen else None, generator=generator, **flags)
+            output_counts=self.output_counts[rows] if pen else None, generator=generator, adjust=adjust, **flags)
 
     def record_sampled(self, rows: torch.Tensor, tokens: torch.Tensor, penalties: bool) -> None:
         self.i64["output_token_count"][rows] += 1

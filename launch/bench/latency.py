@@ -4,7 +4,9 @@ optionally transformers' generate() on the same weights, measured in the same ru
 
 Per batch size it prints the whole batch's latency, the decode step (the median of the steps in
 which every sequence decodes) and the output tokens per second, each beside its roofline and the
-ratio. `--batch-size` takes several sizes, run on one engine.
+ratio. `--batch-size` takes several sizes, run on one engine. `--n` gives each prompt n
+completions (sampled at temperature 1, as vLLM's), which share the prompt's blocks: with
+`--output-len 1` the latency is the time to every completion's first token.
 """
 from __future__ import annotations
 
@@ -18,12 +20,13 @@ def add_arguments(p) -> None:
     p.add_argument("--batch-size", type=int, nargs="+", default=[8], help="one or more (default: 8)")
     p.add_argument("--input-len", type=int, default=32, help="prompt tokens (default: %(default)s)")
     p.add_argument("--output-len", type=int, default=128, help="output tokens (default: %(default)s)")
+    p.add_argument("--n", type=int, default=1, help="completions per prompt (default: %(default)s)")
     p.add_argument("--num-iters-warmup", type=int, default=2, help="(default: %(default)s)")
     p.add_argument("--num-iters", type=int, default=5, help="timed iterations (default: %(default)s)")
 
 
 def _check(args) -> None:
-    for name in ("input_len", "output_len", "num_iters"):
+    for name in ("input_len", "output_len", "num_iters", "n"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.num_iters_warmup < 0 or any(b < 1 for b in args.batch_size):
@@ -44,7 +47,8 @@ def run(args) -> int:
     with bc.make_llm(args, model, args.input_len + args.output_len) as llm:
         rf = bc.roofline_of(llm)
         bandwidth, matmul = rf.bandwidth, rf.matmul
-        params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+        params = SamplingParams(n=args.n, temperature=0.0 if args.n == 1 else 1.0, max_tokens=args.output_len,
+                                ignore_eos=True)
         for b in args.batch_size:
             # Fresh prompts every iteration: repeated ones would be served by the prefix cache.
             batches = [bc.random_prompts(vocab, b, args.input_len, args.seed + 1000 * (i + 1) + b)
@@ -59,21 +63,23 @@ def run(args) -> int:
                 llm.generate(prompts, params, use_tqdm=False)
                 latencies.append(time.perf_counter() - t)
             llm.engine.step_log = None
-            step = bc.median(bc.decode_steps(log, b))
+            seqs = b * args.n  # the prompt is computed once, each completion decodes
+            step = bc.median(bc.decode_steps(log, seqs))
             mean_ctx = args.input_len + args.output_len // 2
-            roof_step = rf.decode_step_s([mean_ctx] * b)
-            roof_lat = rf.prefill_s(b * args.input_len) + rf.decode_s(b, args.input_len, args.output_len)
+            roof_step = rf.decode_step_s([mean_ctx] * seqs)
+            roof_lat = rf.prefill_s(b * args.input_len) + rf.decode_s(seqs, args.input_len, args.output_len)
             lat = sum(latencies) / len(latencies)
-            results.append(dict(batch_size=b, input_len=args.input_len, output_len=args.output_len,
+            results.append(dict(batch_size=b, n=args.n, input_len=args.input_len, output_len=args.output_len,
                                 avg_latency=lat, latencies=latencies, decode_step_s=step,
                                 roofline_decode_step_s=roof_step, roofline_latency=roof_lat,
-                                output_tok_s=b * args.output_len / lat,
-                                roofline_output_tok_s=b * args.output_len / roof_lat,
-                                decode_tok_s=b / step, roofline_decode_tok_s=b / roof_step,
+                                output_tok_s=seqs * args.output_len / lat,
+                                roofline_output_tok_s=seqs * args.output_len / roof_lat,
+                                decode_tok_s=seqs / step, roofline_decode_tok_s=seqs / roof_step,
                                 hf_output_tok_s=hf.get(b)))
         info = bc.engine_summary(llm.info)
     device = info["device_name"]
-    print(f"\n{device}, TP={args.tensor_parallel_size}; model {model}; in {args.input_len} / out {args.output_len}; "
+    print(f"\n{device}, TP={args.tensor_parallel_size}; model {model}; in {args.input_len} / out {args.output_len}"
+          f"{f' x n={args.n}' if args.n > 1 else ''}; "
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 product {matmul / 1e12:.0f} TFLOP/s (same run); "
           f"weights per rank {info['weight_bytes'] / 1e9:.2f} GB; CUDA graphs: {bool(info['cuda_graphs'])}")
     rows = [("batch / figure", "ours", "roofline", "ours/roofline")]

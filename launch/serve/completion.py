@@ -40,6 +40,8 @@ async def create_completion(state: ServerState, req, raw: Request, prompts: list
     if state.request_logger is not None:
         for rid, (text, ids) in zip(run.request_ids, checked):
             state.request_logger.log(rid, text, ids, sp)
+    if req.use_beam_search:
+        return await run.beam_search(raw, req.beam_search_params(sp.max_tokens))
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(run.events(include_usage), media_type="text/event-stream")
@@ -133,30 +135,56 @@ class _Generation:
             for t in tasks:
                 t.cancel()
 
+    @property
+    def n(self) -> int:
+        """Choices per prompt: prompt i's completion j is choice i * n + j, as OpenAI numbers them."""
+        return self.sampling_params.n
+
+    async def beam_search(self, raw: Request, params):
+        """The response body of vLLM's `use_beam_search`: each prompt's n beams, best first."""
+        async def run():
+            return await asyncio.gather(*(self.engine.beam_search(None, params, rid, checked=pair)
+                                          for rid, pair in zip(self.request_ids, self.checked)))
+        results = await self._until_done(raw, run())
+        if results is None:
+            return Response(status_code=499)
+        reply, body, generated = self.reply, [], 0
+        for i, (res, (_, ids)) in enumerate(zip(results, self.checked)):
+            for j, seq in enumerate(res.sequences):
+                body.append(reply.choice(i * self.n + j, seq.text or "", None, seq.finish_reason, None))
+                generated += len(seq.tokens) - len(ids)
+        return reply.response(body, usage(self.prompt_tokens, generated, 0))
+
+    async def _until_done(self, raw: Request, coro):
+        """`coro`'s result, None if the client left first; an engine that died is a 503."""
+        try:
+            return await until_disconnect(raw, coro)
+        except EngineDeadError as e:
+            raise APIError(503, died_message(e)) from None
+        except RequestError as e:
+            raise APIError(500, str(e)) from None
+
     async def whole(self, raw: Request, with_logprobs: bool):
         """The response body once every prompt has finished; 499 if the client left first."""
-        choices = [_Choice() for _ in self.checked]
+        choices = [_Choice() for _ in range(len(self.checked) * self.n)]
         cached = 0
 
         async def collect() -> bool:
             nonlocal cached
             async for i, out in self.outputs():
-                c, got = out.outputs[0], choices[i]
-                got.text += c.text
-                got.token_ids += c.token_ids
-                got.logprobs += c.logprobs or []
+                for c in out.outputs:
+                    got = choices[i * self.n + c.index]
+                    got.text += c.text
+                    got.token_ids += c.token_ids
+                    got.logprobs += c.logprobs or []
+                    if c.finish_reason is not None:
+                        got.finish_reason, got.stop_reason = c.finish_reason, c.stop_reason
                 if out.finished:
-                    got.finish_reason, got.stop_reason = c.finish_reason, c.stop_reason
                     cached += out.num_cached_tokens
             return True
 
-        try:
-            if await until_disconnect(raw, collect()) is None:
-                return Response(status_code=499)  # nobody is listening
-        except EngineDeadError as e:
-            raise APIError(503, died_message(e)) from None
-        except RequestError as e:
-            raise APIError(500, str(e)) from None
+        if await self._until_done(raw, collect()) is None:
+            return Response(status_code=499)  # nobody is listening
         reply = self.reply
         body = [reply.choice(i, c.text, reply.logprobs(c.token_ids, c.logprobs) if with_logprobs else None,
                              c.finish_reason, c.stop_reason) for i, c in enumerate(choices)]
@@ -165,7 +193,7 @@ class _Generation:
     async def events(self, include_usage: bool) -> AsyncIterator[str]:
         """The server-sent events of a streamed response; an engine that dies ends them with an
         error event (the status, 200, is long gone)."""
-        reply, n = self.reply, len(self.checked)
+        reply, n = self.reply, len(self.checked) * self.n
         n_out, cached, started = 0, 0, set()
         # The token before each choice's next one (none before the first: the text is the output's
         # own), and text_offset over the whole choice, not one chunk.
@@ -173,18 +201,20 @@ class _Generation:
         offset = dict.fromkeys(range(n), 0)
         try:
             async for i, out in self.outputs():
-                c = out.outputs[0]
-                n_out += len(c.token_ids)
-                lp = None
-                if self.sampling_params.logprobs is not None and c.token_ids:
-                    lp = reply.logprobs(c.token_ids, c.logprobs or [], offset[i], last[i])
-                if c.token_ids:
-                    last[i] = c.token_ids[-1]
-                offset[i] += len(c.text)
                 if out.finished:
                     cached += out.num_cached_tokens
-                yield reply.chunk([reply.delta_choice(i, c, lp, out.finished, first=i not in started)])
-                started.add(i)
+                for c in out.outputs:
+                    k = i * self.n + c.index
+                    n_out += len(c.token_ids)
+                    lp = None
+                    if self.sampling_params.logprobs is not None and c.token_ids:
+                        lp = reply.logprobs(c.token_ids, c.logprobs or [], offset[k], last[k])
+                    if c.token_ids:
+                        last[k] = c.token_ids[-1]
+                    offset[k] += len(c.text)
+                    yield reply.chunk([reply.delta_choice(k, c, lp, c.finish_reason is not None,
+                                                          first=k not in started)])
+                    started.add(k)
             if include_usage:
                 yield reply.chunk([], usage=usage(self.prompt_tokens, n_out, cached))
         except EngineDeadError as e:

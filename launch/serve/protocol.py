@@ -2,7 +2,7 @@
 
 In: the request bodies (pydantic, as vLLM's server) and their translation to the engine's prompts
 and `SamplingParams`. Fields OpenAI defines and vLLM's extras (top_k, min_p, repetition_penalty,
-ignore_eos, min_tokens, stop_token_ids, ...) are read; a field OpenAI or vLLM defines that we do not
+ignore_eos, min_tokens, stop_token_ids, logit_bias, allowed_token_ids, ...) are read; a field OpenAI or vLLM defines that we do not
 implement is refused by name (`NOT_IMPLEMENTED`), never ignored; other unknown fields are ignored,
 as vLLM does; a known field of the wrong type is a 400 naming it. Token ids must be integers (no
 strings, floats or bools); every string must be valid UTF-8 and every list is bounded
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
+from distengine.beam_search import BeamSearchParams
 from distengine.generation_config import SamplingDefaults
 from distengine.inputs import check_message_content
 from distengine.limits import MAX_MESSAGES, MAX_PROMPTS_PER_REQUEST, MAX_TOKEN_IDS, bad_text
@@ -26,14 +27,20 @@ from distengine.sampling_params import SamplingParams
 
 # ---- request bodies ----------------------------------------------------------------------------
 
+# Fields beam search does not read, with the values that ask for nothing: anything else is refused
+# with use_beam_search (its beams come from the top logprobs, with no stop rule but EOS).
+BEAM_SEARCH_UNUSED = {"top_p": (None, 1.0), "top_k": (None, 0, -1), "min_p": (None, 0.0), "seed": (None,),
+                      "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
+                      "repetition_penalty": (None, 1.0), "stop": (None, [], ""), "stop_token_ids": (None, []),
+                      "min_tokens": (0,), "logit_bias": (None, {}), "allowed_token_ids": (None,),
+                      "best_of": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0)}
+
 
 # Fields of OpenAI's or vLLM's API that we do not implement, with the values that ask for nothing
 # (a client may send those): anything else is refused with the field named.
-NOT_IMPLEMENTED = {"logit_bias": (None, {}), "prompt_logprobs": (None,), "bad_words": (None, []),
-                   "allowed_token_ids": (None,), "guided_json": (None,), "guided_regex": (None,),
+NOT_IMPLEMENTED = {"prompt_logprobs": (None,), "bad_words": (None, []), "guided_json": (None,), "guided_regex": (None,),
                    "guided_choice": (None,), "guided_grammar": (None,), "guided_decoding_backend": (None,),
-                   "structured_outputs": (None,), "use_beam_search": (None, False), "length_penalty": (None, 1.0),
-                   "truncate_prompt_tokens": (None,), "return_tokens_as_token_ids": (None, False),
+                   "structured_outputs": (None,), "truncate_prompt_tokens": (None,), "return_tokens_as_token_ids": (None, False),
                    "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
                    "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]), "echo": (None, False),
                    "suffix": (None, ""), "response_format": (None, {"type": "text"})}
@@ -84,6 +91,7 @@ class _Sampling(Body):
     temperature: float | None = None
     top_p: float | None = None
     n: int = 1
+    best_of: int | None = Field(None, ge=0, lt=2 ** 63)  # vLLM's
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -101,27 +109,60 @@ class _Sampling(Body):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     request_id: str | None = None  # vLLM's: the response's id, unless the X-Request-Id header gives one
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a JSON key, so a string) -> bias
+    allowed_token_ids: list[StrictInt] | None = Field(None, max_length=MAX_TOKEN_IDS)
+    use_beam_search: bool = False  # vLLM's: n beams
+    length_penalty: float = 1.0    # (beam search's)
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, why) for what we cannot serve, checked before any work."""
         out = self.not_implemented()
-        if self.n != 1:
-            out.append(("n", "only n=1 is supported"))
         if self.stream_options is not None and not self.stream:
             out.append(("stream_options", "stream_options needs stream: true"))
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            out.append(("best_of", "best_of > n does not stream: the n returned are chosen at the end"))
+        if self.use_beam_search:
+            if self.stream:
+                out.append(("use_beam_search", "beam search does not stream: its beams are known at the end"))
+            out += [(name, f"{name} does not apply to beam search") for name, off in BEAM_SEARCH_UNUSED.items()
+                    if getattr(self, name, None) not in off]
+        elif self.length_penalty != 1.0:
+            out.append(("length_penalty", "length_penalty needs use_beam_search: true"))
         return out
+
+    def beam_search_params(self, max_tokens: int) -> BeamSearchParams:
+        return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+                                temperature=0.0 if self.temperature is None else self.temperature,
+                                length_penalty=self.length_penalty,
+                                include_stop_str_in_output=self.include_stop_str_in_output)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def token_biases(self) -> dict[int, float] | None:
+        """`logit_bias` with its keys as token ids and each bias clipped to [-100, 100] (OpenAI's
+        range; vLLM clips it the same way)."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            if not key.isascii() or not key.isdigit():
+                raise ValueError(f"logit_bias: key {key!r:.40} is not a token id (a non-negative integer)")
+            if bias != bias:
+                raise ValueError(f"logit_bias[{key}]: the bias must be a number, got NaN")
+            out[int(key)] = min(100.0, max(-100.0, bias))
+        return out
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
                            defaults: SamplingDefaults = SamplingDefaults()) -> SamplingParams:
         """A field the request leaves out takes the server's default (`--generation-config`), else
         the neutral one; `max_tokens` is decided by the caller."""
-        kw = dict(n=self.n, max_tokens=max_tokens, stop=self.stop, seed=self.seed, ignore_eos=self.ignore_eos,
+        kw = dict(n=self.n, best_of=self.best_of, max_tokens=max_tokens, stop=self.stop, seed=self.seed,
+                  ignore_eos=self.ignore_eos,
                   min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids, logprobs=logprobs,
                   skip_special_tokens=self.skip_special_tokens,
-                  include_stop_str_in_output=self.include_stop_str_in_output)
+                  include_stop_str_in_output=self.include_stop_str_in_output,
+                  logit_bias=self.token_biases(), allowed_token_ids=self.allowed_token_ids)
         for name, neutral in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0),
                               ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
             value = getattr(self, name)
@@ -138,7 +179,6 @@ class CompletionRequest(_Sampling):
     prompt: PromptInput
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
-    best_of: int | None = Field(None, ge=0, lt=2 ** 63)
 
     @field_validator("prompt")
     @classmethod
@@ -150,8 +190,6 @@ class CompletionRequest(_Sampling):
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
-        if self.best_of not in (None, 1):
-            out.append(("best_of", f"best_of must be 1 (only n=1 is supported), got {self.best_of}"))
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             out.append(("logprobs", f"logprobs must be in [0, 20], got {self.logprobs}"))
         return out
