@@ -80,7 +80,9 @@ def _merged(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     comp = CompletionOutput(index=y.index, text=x.text + y.text, token_ids=x.token_ids + y.token_ids,
                             finish_reason=y.finish_reason, stop_reason=y.stop_reason, logprobs=logprobs)
     return RequestOutput(request_id=b.request_id, prompt=b.prompt, prompt_token_ids=b.prompt_token_ids,
-                         num_cached_tokens=b.num_cached_tokens, finished=b.finished, outputs=[comp])
+                         num_cached_tokens=b.num_cached_tokens, finished=b.finished, outputs=[comp],
+                         prompt_logprobs=a.prompt_logprobs or b.prompt_logprobs,
+                         prompt_logprob_ranks=a.prompt_logprob_ranks or b.prompt_logprob_ranks)
 
 
 def engine_process_default() -> bool:
@@ -115,6 +117,7 @@ class AsyncLLM:
         self._engine_ids: dict[str, str] = {}   # the caller's id -> the engine id, while it runs
         self._streams_lock = threading.Lock()
         self._serial = itertools.count()
+        self._forks: dict[str, bool] = {}  # requests of several completions before these start: aborted?
         self._outbox = _Outbox()  # the message handler's
         self._stopping = False
         if engine_process is None:
@@ -177,25 +180,34 @@ class AsyncLLM:
         return last
 
     async def _generate_forked(self, sp: SamplingParams, request_id: str, checked) -> AsyncIterator[RequestOutput]:
-        """`distengine.parallel_sampling`: the prompt's whole blocks once, then each completion."""
+        """`distengine.parallel_sampling`: the prompt's whole blocks once, then each completion.
+        An abort before a completion has registered (`self._forks`) keeps it from starting."""
         text, ids = checked
         prefix = fork_point(len(ids), self.info.plan.block_size) if self.config.enable_prefix_caching else 0
-        if prefix:
-            await self._final(prefix_params(), f"{request_id}[prefix]", (None, ids[:prefix]))
         queue: asyncio.Queue = asyncio.Queue()
         k = sp.num_children
 
+        def aborted(i: int) -> RequestOutput:
+            return RequestOutput(request_id, text, ids, finished=True, outputs=[CompletionOutput(i, "", [], "abort")])
+
         async def pump(i: int) -> None:
             try:
+                if self._forks[request_id]:
+                    await queue.put((i, aborted(i)))
+                    return
                 async for out in self._generate_one(child_params(sp, i), f"{request_id}[{i}]", (text, ids)):
                     await queue.put((i, out))
             except BaseException as e:  # noqa: BLE001 - handed to the consumer
                 await queue.put((i, e))
 
-        tasks = [asyncio.create_task(pump(i)) for i in range(k)]
+        self._forks[request_id] = False
+        tasks: list[asyncio.Task] = []
         whole: list[RequestOutput | None] = [None] * k
         left = k
         try:
+            if prefix:
+                await self._final(prefix_params(), f"{request_id}[prefix]", (None, ids[:prefix]))
+            tasks = [asyncio.create_task(pump(i)) for i in range(k)]
             while left:
                 i, out = await queue.get()
                 if isinstance(out, BaseException):
@@ -212,6 +224,7 @@ class AsyncLLM:
                 last.outputs = choose([w.outputs[0] for w in whole], sp)
                 yield last
         finally:
+            self._forks.pop(request_id, None)
             for t in tasks:
                 t.cancel()
 
@@ -259,6 +272,8 @@ class AsyncLLM:
         gets a last output (finish_reason "abort"), and its blocks return to the pool; every
         completion of one of several (`[i]` after the id)."""
         with self._streams_lock:
+            if request_id in self._forks:  # one of several completions, still computing its prompt
+                self._forks[request_id] = True
             engine_ids = [e for rid, e in self._engine_ids.items()
                           if rid == request_id or rid.startswith(f"{request_id}[")]
         for engine_id in engine_ids:

@@ -69,7 +69,9 @@ class StepOutputs:
     @classmethod
     def of(cls, updates: list[RequestUpdate], stats: SchedulerStats) -> "StepOutputs":
         return cls([(u.req_id, u.token_id, u.logprobs, u.finish_reason, u.stop_reason, u.num_cached_tokens)
-                    for u in updates], stats)
+                    if u.prompt_logprobs is None else
+                    (u.req_id, u.token_id, u.logprobs, u.finish_reason, u.stop_reason, u.num_cached_tokens,
+                     u.prompt_logprobs, u.prompt_ranks) for u in updates], stats)
 
     def updates(self) -> list[RequestUpdate]:
         return [RequestUpdate(*r) for r in self.rows]

@@ -137,6 +137,12 @@ class InputProcessor:
             self.token_ids(list(sp.logit_bias), f"{field}.logit_bias (its keys)")
         if sp.allowed_token_ids:
             self.token_ids(sp.allowed_token_ids, f"{field}.allowed_token_ids")
+        try:
+            sp.tokenize_bad_words(self.tokenizer)
+        except ValueError as e:
+            raise ValueError(f"{field}.{e}") from None
+        for i, ids in enumerate(sp.bad_words_token_ids or ()):
+            self.token_ids(ids, f"{field}.bad_words (its tokens, word {i})")
         if sp.logprobs is not None and sp.logprobs > self.vocab_size:
             raise ValueError(f"{field}.logprobs = {sp.logprobs} exceeds the vocabulary ({self.vocab_size}); "
                              f"-1 asks for all of it")

@@ -32,6 +32,8 @@ class RequestState:
     last_token_time: float | None = None
     last_gap: float | None = None  # seconds between its last two tokens
     output_id: str | None = None  # the id its outputs carry, when not req_id (AsyncLLM: the caller's)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -45,11 +47,14 @@ class RequestState:
                                                          len(self.text) - self.sampling.output_text_buffer_length)
         text, tokens = self.text[self.sent_text:end], self.token_ids[self.sent_tokens:]
         lps = self.logprobs[self.sent_tokens:] if self.logprobs is not None else None
+        first = self.sent_tokens == 0
         self.sent_text, self.sent_tokens = end, len(self.token_ids)
         comp = CompletionOutput(index=0, text=text, token_ids=tokens, finish_reason=self.finish_reason,
                                 stop_reason=self.stop_reason, logprobs=lps)
         return RequestOutput(request_id=self.output_id or self.req_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-                             num_cached_tokens=self.num_cached_tokens, finished=self.finished, outputs=[comp])
+                             num_cached_tokens=self.num_cached_tokens, finished=self.finished, outputs=[comp],
+                             prompt_logprobs=self.prompt_logprobs if first else None,
+                             prompt_logprob_ranks=self.prompt_ranks if first else None)
 
     def output(self) -> RequestOutput:
         comp = CompletionOutput(index=0, text=self.text, token_ids=list(self.token_ids), finish_reason=self.finish_reason,
@@ -57,7 +62,8 @@ class RequestState:
                                 cumulative_logprob=(sum(d[t] for d, t in zip(self.logprobs, self.token_ids))
                                                     if self.logprobs is not None else None))
         return RequestOutput(request_id=self.output_id or self.req_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-                             num_cached_tokens=self.num_cached_tokens, finished=self.finished, outputs=[comp])
+                             num_cached_tokens=self.num_cached_tokens, finished=self.finished, outputs=[comp],
+                             prompt_logprobs=self.prompt_logprobs, prompt_logprob_ranks=self.prompt_ranks)
 
 
 @dataclass
@@ -118,6 +124,8 @@ class OutputProcessor:
         st.last_token_time = now
         st.token_ids.append(u.token_id)
         st.num_cached_tokens = u.num_cached_tokens
+        if u.prompt_logprobs is not None:
+            st.prompt_logprobs, st.prompt_ranks = u.prompt_logprobs, u.prompt_ranks
         if st.logprobs is not None and u.logprobs is not None:
             st.logprobs.append(u.logprobs)
         new_text = st.detok.append([u.token_id])

@@ -44,13 +44,17 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """The output of one request: its prompt, how much of it came from the prefix cache, and its
-    completions (``outputs[0]`` while n == 1)."""
+    completions (``outputs[0]`` while n == 1). With `prompt_logprobs` asked: per prompt token
+    {token id: logprob} of it and the top-k (None for the first token), and its rank in the
+    vocabulary (`prompt_logprob_ranks`, 1: the most likely); in a stream, with the first delta."""
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     num_cached_tokens: int = 0
     finished: bool = False
     outputs: list[CompletionOutput] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None
 
     def __repr__(self) -> str:
         return (f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, "

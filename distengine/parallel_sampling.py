@@ -39,6 +39,7 @@ def child_params(sp: SamplingParams, index: int) -> SamplingParams:
     """The `index`-th child's: one completion, its own seed (the request's + index, as vLLM's),
     and the sampled tokens' logprobs when `best_of` ranks the children."""
     child = replace(sp.clone(), n=1, best_of=None)
+    child.bad_words_token_ids = sp.bad_words_token_ids  # (the front end's, not a field replace copies)
     if sp.seed is not None:
         child.seed = sp.seed + index
     if sp.ranks_children and sp.logprobs is None:
@@ -64,4 +65,6 @@ def _cumulative_logprob(c: CompletionOutput) -> float:
     """Its sampled tokens' logprobs summed (a streamed completion's deltas carry no sum)."""
     if c.cumulative_logprob is not None:
         return c.cumulative_logprob
+    if c.logprobs is None:  # aborted before it started
+        return float("-inf")
     return sum(d[t] for d, t in zip(c.logprobs, c.token_ids))

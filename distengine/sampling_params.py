@@ -14,11 +14,11 @@ Normalisations (as vLLM's ``__post_init__``):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from numbers import Integral, Real
 from typing import Any
 
-from distengine.limits import (MAX_INT, MAX_N, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKEN_IDS,
+from distengine.limits import (MAX_BAD_WORD_TOKENS, MAX_INT, MAX_N, MAX_PROMPT_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKEN_IDS,
                                bad_text)
 from distengine.step import RequestSampling
 
@@ -69,10 +69,15 @@ class SamplingParams:
     ignore_eos: keep generating past EOS.
     seed: per-request seed (None = engine's generator).
     logprobs: None = none; k >= 0 = the sampled token's logprob plus the top-k; -1 = whole vocab.
+    prompt_logprobs: None = none; k in [0, 20]: each prompt token's logprob (given the tokens
+        before it; the first has none) plus the top-k. The prompt is then computed whole: no
+        prefix-cache hit.
     include_stop_str_in_output: keep the matched stop string in the text.
     skip_special_tokens: drop special tokens from the detokenised text.
     logit_bias: {token id: bias} added to the logits before the penalties (finite values).
     allowed_token_ids: when given (not empty), only these tokens can be sampled.
+    bad_words: words never generated (vLLM's rule: each word's tokens, with and without a leading
+        space; a one-token word is barred always, a longer one's last token after the others).
     """
     n: int = 1
     best_of: int | None = None
@@ -90,10 +95,14 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # bad_words as token ids: the front end's tokenizer fills it (`tokenize_bad_words`).
+    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
@@ -126,6 +135,8 @@ class SamplingParams:
             self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(dict.fromkeys(int(t) for t in self.allowed_token_ids))
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
 
         # Canonical Python scalars (msgpack-friendly, no numpy scalars leaking through).
         self.n = int(self.n)
@@ -235,6 +246,10 @@ class SamplingParams:
                 raise ValueError(f"logprobs must be non-negative or -1, got {self.logprobs}.")
             if self.logprobs > MAX_INT:
                 raise ValueError(f"logprobs must be at most {MAX_INT} (-1: the whole vocabulary), got {self.logprobs}.")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_PROMPT_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be an integer in [0, {MAX_PROMPT_LOGPROBS}] or None, got "
+                             f"{self.prompt_logprobs!r:.40}.")
         # seed
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {type(self.seed).__name__}.")
@@ -282,6 +297,15 @@ class SamplingParams:
             if not all(_is_int(t) and 0 <= t <= MAX_INT for t in self.allowed_token_ids):
                 raise ValueError(f"allowed_token_ids must contain only integers in [0, {MAX_INT}], got "
                                  f"{list(self.allowed_token_ids)!r:.200}.")
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str) or not isinstance(self.bad_words, (list, tuple)):
+                raise ValueError(f"bad_words must be a list of strings, got {type(self.bad_words).__name__}.")
+            if len(self.bad_words) > MAX_STOP_STRINGS:
+                raise ValueError(f"bad_words may hold at most {MAX_STOP_STRINGS} words, got {len(self.bad_words)}.")
+            if not all(isinstance(w, str) and w.strip() and len(w) <= MAX_STOP_STRING_CHARS and not bad_text(w)
+                       for w in self.bad_words):
+                raise ValueError(f"bad_words must hold non-blank strings of at most {MAX_STOP_STRING_CHARS} "
+                                 f"characters (valid text), got {ascii(self.bad_words):.200}.")
         # flags
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
@@ -328,8 +352,31 @@ class SamplingParams:
                                allowed_token_ids=tuple(self.allowed_token_ids or ()), min_tokens=self.min_tokens,
                                stop_ids=tuple(sorted({*self.stop_token_ids,
                                                       *(() if self.ignore_eos else eos_token_ids)}))
-                               if self.min_tokens else ())
+                               if self.min_tokens else (),
+                               bad_words=tuple(tuple(w) for w in self.bad_words_token_ids or ()),
+                               prompt_logprobs=self.prompt_logprobs)
+
+    def tokenize_bad_words(self, tokenizer) -> None:
+        """`bad_words_token_ids` from `bad_words`, as vLLM's `update_from_tokenizer`: each word
+        (leading spaces stripped) encoded as is, and with one leading space where that gives the
+        same number of tokens and another first token (a word inside the text)."""
+        if not self.bad_words:
+            self.bad_words_token_ids = None
+            return
+        if tokenizer is None:
+            raise ValueError("bad_words needs the model's tokenizer (this model has none)")
+        out: list[list[int]] = []
+        for word in self.bad_words:
+            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            for ids in (plain, spaced) if spaced and spaced[0] != plain[0] and len(spaced) == len(plain) else (plain,):
+                if not 0 < len(ids) <= MAX_BAD_WORD_TOKENS:
+                    raise ValueError(f"bad_words: {word!r:.60} is {len(ids)} tokens; at most {MAX_BAD_WORD_TOKENS}")
+                out.append(list(ids))
+        self.bad_words_token_ids = out
 
     def clone(self) -> "SamplingParams":
-        return SamplingParams(**{f.name: (list(v) if isinstance(v := getattr(self, f.name), list)
-                                          else dict(v) if isinstance(v, dict) else v) for f in fields(self)})
+        p = SamplingParams(**{f.name: (list(v) if isinstance(v := getattr(self, f.name), list)
+                                       else dict(v) if isinstance(v, dict) else v) for f in fields(self) if f.init})
+        p.bad_words_token_ids = self.bad_words_token_ids
+        return p

@@ -62,6 +62,10 @@ class RequestUpdate:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
+    # With its first token, when asked: each prompt token's logprob and the top-k (None for the
+    # first token), and each prompt token's rank in the vocabulary (1: the most likely).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None
 
     @property
     def failed(self) -> bool:
@@ -252,7 +256,10 @@ class Scheduler:
 
     def _admit(self, req: EngineRequest, budget: int) -> tuple[int, int, tuple[list[int], ...] | None]:
         """(prefix hit, tokens to compute, blocks appended or None) of a waiting request."""
-        blocks, hit = self.manager.get_computed_blocks(req)
+        if req.sampling.prompt_logprobs is None:
+            blocks, hit = self.manager.get_computed_blocks(req)
+        else:  # every prompt position's logits are wanted: no hit
+            blocks, hit = self.manager.coordinator.empty_blocks, 0
         n = min(req.num_tokens - hit, budget)
         appended = self.manager.allocate_slots(req, n, hit, blocks)
         if appended is None and hit and not self.running:
@@ -308,8 +315,9 @@ class Scheduler:
         sampling = req.sampling.for_workers(req.eos_token_ids)
         return NewRequest(req.request_id, [list(t) for t in self.manager.get_block_ids(req.request_id)],
                           sampling, req.num_output_tokens,
-                          list(req.prompt_token_ids) if sampling.reads_prompt else [],
-                          req.output_token_ids if sampling.penalised else [])
+                          list(req.prompt_token_ids) if sampling.reads_prompt or sampling.prompt_logprobs is not None
+                          else [],
+                          req.output_token_ids if sampling.penalised or sampling.bad_words else [])
 
     def update(self, step_id: int, output: StepOutput | None) -> list[RequestUpdate]:
         """Apply a step's sampled tokens (one per request that sampled, in plan order): append,
@@ -329,6 +337,8 @@ class Scheduler:
             req.append_output_token(token)
             update = RequestUpdate(req.request_id, token, _logprobs(req, output, k, token),
                                    num_cached_tokens=max(req.num_cached_tokens, 0))
+            if output.prompt_logprobs and req.request_id in output.prompt_logprobs:
+                update.prompt_logprobs, update.prompt_ranks = _prompt_logprobs(output.prompt_logprobs[req.request_id])
             reason = self._stop_reason(req, token)
             if reason is not None:
                 self._finish(req, *reason)
@@ -348,6 +358,17 @@ class Scheduler:
         if req.num_tokens >= self.max_model_len:
             return "length", None
         return None
+
+
+def _prompt_logprobs(rows: list[list]) -> tuple[list[dict[int, float] | None], list[int | None]]:
+    """A worker's prompt logprobs (`StepOutput.prompt_logprobs`) in vLLM's shape."""
+    tokens, lps, ranks, top_ids, top_lps = rows
+    out: list[dict[int, float] | None] = [None]
+    for t, lp, ids, vals in zip(tokens, lps, top_ids, top_lps):
+        entry = {t: lp}
+        entry.update(zip(ids, vals))
+        out.append(entry)
+    return out, [None, *ranks]
 
 
 def _logprobs(req: EngineRequest, out: StepOutput, k: int, token: int) -> dict[int, float] | None:

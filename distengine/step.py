@@ -32,16 +32,19 @@ class RequestSampling:
     allowed_token_ids: tuple[int, ...] = ()  # when not empty, every other token is barred
     min_tokens: int = 0                     # `stop_ids` are barred until this many output tokens
     stop_ids: tuple[int, ...] = ()          # EOS (unless ignore_eos) and stop_token_ids
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences whose last token is barred after the rest
+    prompt_logprobs: int | None = None      # k: every prompt token's logprob and the top k
 
     def __post_init__(self) -> None:
         # msgpack gives sequences back as lists: tuples keep the record equal to the one sent.
         object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
         object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         object.__setattr__(self, "stop_ids", tuple(self.stop_ids))
+        object.__setattr__(self, "bad_words", tuple(tuple(w) for w in self.bad_words))
 
     @property
     def adjusts_logits(self) -> bool:
-        return bool(self.logit_bias or self.allowed_token_ids or (self.min_tokens and self.stop_ids))
+        return bool(self.logit_bias or self.allowed_token_ids or (self.min_tokens and self.stop_ids) or self.bad_words)
 
     @property
     def greedy(self) -> bool:
@@ -130,6 +133,9 @@ class StepOutput:
     logprobs: list[float] | None = None            # the sampled tokens' logprobs
     top_token_ids: list[list[int]] | None = None   # per request, the top-k (k = the step's largest ask)
     top_logprobs: list[list[float]] | None = None
+    # Requests whose prompt logprobs are complete (they sample their first token in this step):
+    # req_id -> [prompt tokens 1.., their logprobs, their ranks, top ids per token, top logprobs].
+    prompt_logprobs: dict[str, list[list]] | None = None
 
     def encode(self) -> bytes:
         return msgpack.packb(_row(self))

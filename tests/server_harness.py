@@ -16,7 +16,7 @@ import openai
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "test-key"
-TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'robot' %}{{ raise_exception('no robots here') }}{% endif %}"
+TEMPLATE = ("{% if greeting is defined %}{{ greeting }} {% endif %}{% for m in messages %}{% if m['role'] == 'robot' %}{{ raise_exception('no robots here') }}{% endif %}"
             "{{ m['role'] }} : {{ m['content'] }} {% endfor %}{% if add_generation_prompt %}assistant :{% endif %}")
 
 

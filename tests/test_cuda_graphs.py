@@ -69,17 +69,26 @@ def test_graph_replay_equals_the_eager_forward(model):
 
 
 def test_graphs_give_the_tokens_of_eager(model):
+    """... also with logit adjustments (a bias, allowed tokens, min_tokens barring a stop token)
+    and prompt logprobs on the device, which the two runs give alike."""
     _, folder = model
     prompts, params = _prompts(7), _params(7)
-    runs = {}
+    params[3] = SamplingParams(temperature=0.0, max_tokens=20, logit_bias={5: 3.0}, allowed_token_ids=list(range(100)),
+                               min_tokens=6, stop_token_ids=[7, 9], ignore_eos=True)
+    params[4] = SamplingParams(temperature=0.0, max_tokens=12, prompt_logprobs=2, ignore_eos=True)
+    runs, prompt_lps = {}, {}
     for eager in (True, False):
         with LLM(folder, enforce_eager=eager, **ARGS) as llm:
             info = llm.info
             assert info.uses_cuda_graphs != eager and (llm.executor.worker.runner.graphs is None) == eager
             if not eager:
                 assert info.memory[0].graph_bytes > 0  # counted before the KV cache was sized
-            runs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            runs[eager] = [o.outputs[0].token_ids for o in outs]
+            prompt_lps[eager] = outs[4].prompt_logprobs
     assert runs[True] == runs[False]
+    assert all(t < 100 for t in runs[True][3]) and not {7, 9} & set(runs[True][3][:6])
+    assert len(prompt_lps[True]) == len(prompts[4]["prompt_token_ids"]) and prompt_lps[True] == prompt_lps[False]
 
 
 def test_pdl_on_and_off_give_the_same_tokens(model, monkeypatch):

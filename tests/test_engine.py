@@ -243,6 +243,34 @@ def ray_cluster():
         ray.shutdown()
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_prompt_logprobs_equal_transformers(qwen3, ray_cluster, tp):
+    """Each prompt token's logprob given the tokens before it, its rank and the top 3, against
+    transformers' log-softmax: with prefill chunks, beside a request without them, and for a
+    prompt the prefix cache holds (the prompt is computed again: its positions need logits)."""
+    hf, folder = qwen3
+    prompt = _prompts(1, shared=30)[0]
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].double(), -1)
+    kw = dict(tensor_parallel_size=tp, device="cpu", dtype="float32", block_size=4, max_model_len=128,
+              max_num_batched_tokens=16)
+    sp = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3)
+    with LLM(folder, **kw) as llm:
+        outs = llm.generate([{"prompt_token_ids": prompt}] * 2, [sp, SamplingParams(max_tokens=2)], use_tqdm=False)
+        again = llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0]
+    got, ranks = outs[0].prompt_logprobs, outs[0].prompt_logprob_ranks
+    assert outs[1].prompt_logprobs is None and got[0] is None and ranks[0] is None and len(got) == len(prompt)
+    for i in range(1, len(prompt)):
+        row = want[i - 1]
+        assert abs(got[i][prompt[i]] - row[prompt[i]].item()) < 1e-4
+        assert ranks[i] == int((row > row[prompt[i]]).sum()) + 1
+        top = row.topk(3).indices.tolist()
+        assert set(got[i]) == {prompt[i], *top}
+    assert again.num_cached_tokens == 0 and len(again.prompt_logprobs) == len(got)
+    for a, b in zip(again.prompt_logprobs[1:], got[1:]):  # (another batch: sums in another order)
+        assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-5 for t in a)
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_tp2_on_ray_equals_transformers(tmp_path_factory, ray_cluster, name):
     hf, folder = _folder(tmp_path_factory, name)
@@ -271,6 +299,37 @@ def test_killed_worker_makes_generate_raise(qwen3, ray_cluster):
             llm.generate({"prompt_token_ids": [1, 2]}, GREEDY, use_tqdm=False)
     finally:
         llm.shutdown()
+
+
+def test_bad_words_with_and_without_preemption(tmp_path):
+    """vLLM's bad_words through the engine: a one-token word never comes; a two-token phrase's
+    second word never follows its first, also when the requests are preempted and resumed (the
+    rows' rings of outputs are rebuilt from the outputs so far); a word too long is refused."""
+    from launch.demo import build_model
+    build_model(str(tmp_path))
+    kw = dict(device="cpu", dtype="float32", block_size=4, max_model_len=40)
+    prompts = ["what is water", "who made oil", "what is oil made of", "who is water"] * 2
+    plain = SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True)
+    with LLM(str(tmp_path), **kw) as llm:
+        free = llm.generate(prompts, plain, use_tqdm=False)
+        toks = free[0].outputs[0].token_ids
+        first, second = free[0].outputs[0].text.split()[:2]
+        phrase = [SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True, bad_words=[f"{first} {second}"])]
+        base = llm.generate(prompts, phrase * len(prompts), use_tqdm=False)
+        single = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                         bad_words=[first]), use_tqdm=False)[0].outputs[0]
+        with pytest.raises(ValueError, match="at most 16"):
+            llm.generate(prompts[0], SamplingParams(bad_words=[" ".join(["water"] * 17)]), use_tqdm=False)
+    a, b = llm.tokenizer.encode(first, add_special_tokens=False)[0], llm.tokenizer.encode(second, add_special_tokens=False)[0]
+    assert toks[:2] == [a, b]
+    assert a not in single.token_ids
+    for o in base:
+        t = o.outputs[0].token_ids
+        assert not any(x == a and y == b for x, y in zip(t, t[1:])), t
+    with LLM(str(tmp_path), num_gpu_blocks_override=90, **kw) as llm:
+        tight = llm.generate(prompts, phrase * len(prompts), use_tqdm=False)
+        assert llm.stats().preemptions > 0
+    assert [o.outputs[0].token_ids for o in tight] == [o.outputs[0].token_ids for o in base]
 
 
 def test_chat_text_stop_strings_and_logprobs(tmp_path):

@@ -63,9 +63,11 @@ BAD_BODIES = [
     ("prompt", {"prompt": "water \ud800"}), ("logit_bias", {"logit_bias": {"x": 1}}),
     ("logit_bias", {"logit_bias": {"999999999": 1}}),
     ("allowed_token_ids", {"allowed_token_ids": []}), ("allowed_token_ids", {"allowed_token_ids": [2 ** 40]}),
-    ("prompt_logprobs", {"prompt_logprobs": 1}), ("use_beam_search", {"use_beam_search": True, "stream": True}),
-    ("top_p", {"use_beam_search": True, "top_p": 0.5}), ("n", {"n": 129}), ("best_of", {"n": 3, "best_of": 2}),
-    ("bad_words", {"bad_words": ["x"]}), ("guided_json", {"guided_json": {"type": "object"}}),
+    ("prompt_logprobs", {"prompt_logprobs": 21}), ("prompt_logprobs", {"prompt_logprobs": 1, "stream": True}),
+    ("echo", {"echo": True, "stream": True}), ("n", {"use_beam_search": True, "n": 65}), ("use_beam_search", {"use_beam_search": True, "stream": True}),
+    ("top_p", {"use_beam_search": True, "top_p": 0.5}),
+    ("spaces_between_special_tokens", {"spaces_between_special_tokens": False}), ("n", {"n": 129}), ("best_of", {"n": 3, "best_of": 2}),
+    ("bad_words", {"bad_words": [""]}), ("bad_words", {"bad_words": "water"}), ("guided_json", {"guided_json": {"type": "object"}}),
 ]
 
 
@@ -187,6 +189,43 @@ def test_abort_ends_the_readers_stream(model):  # noqa: F811
         streams = asyncio.run(storm(engine))
         assert all(outs[-1].finished and outs[-1].outputs[0].finish_reason in ("abort", "length") for outs in streams)
         assert any(outs[-1].outputs[0].finish_reason == "abort" for outs in streams)
+        deadline = time.monotonic() + 10
+        while not engine.engine.call("is_idle").result(timeout=10):
+            assert time.monotonic() < deadline, "blocks still held after the aborts"
+            time.sleep(0.1)
+    finally:
+        engine.shutdown()
+
+
+def test_aborted_forks_and_beams_leave_no_block(model):  # noqa: F811
+    """Requests of several completions (n, best_of) aborted by their id while their children
+    run, and beam searches cancelled mid-way: every child's blocks go back to the pool."""
+    from distengine.async_llm import AsyncLLM
+    from distengine.beam_search import BeamSearchParams
+    forked = [SamplingParams(n=3, temperature=1.0, max_tokens=200, ignore_eos=True),
+              SamplingParams(n=2, best_of=4, temperature=1.0, max_tokens=200, ignore_eos=True)]
+
+    async def storm(engine):
+        async def read(rid, sp):
+            outs = []
+            async for o in engine.generate("what is water made of", sp, rid):
+                outs.append(o)
+            return outs
+        tasks = [asyncio.create_task(read(f"f{i}", forked[i % 2])) for i in range(12)]
+        beams = [asyncio.create_task(engine.beam_search("what is water", BeamSearchParams(beam_width=3, max_tokens=50),
+                                                        f"b{i}")) for i in range(4)]
+        await asyncio.sleep(0.5)
+        for i in range(12):
+            engine.abort(f"f{i}")
+        for b in beams:
+            b.cancel()
+        await asyncio.gather(*beams, return_exceptions=True)
+        return await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
+
+    engine = AsyncLLM(model, device="cpu", dtype="float32", max_model_len=256)
+    try:
+        streams = asyncio.run(storm(engine))
+        assert all(outs[-1].finished for outs in streams if outs)
         deadline = time.monotonic() + 10
         while not engine.engine.call("is_idle").result(timeout=10):
             assert time.monotonic() < deadline, "blocks still held after the aborts"
@@ -324,7 +363,9 @@ def test_random_bodies_never_5xx_nor_leak(served):
     fields = ["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stream", "stop",
               "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "min_tokens",
               "stop_token_ids", "ignore_eos", "best_of", "echo", "logit_bias", "stream_options", "messages",
-              "max_completion_tokens", "top_logprobs", "skip_special_tokens"]
+              "max_completion_tokens", "top_logprobs", "skip_special_tokens", "allowed_token_ids", "bad_words",
+              "prompt_logprobs", "use_beam_search", "length_penalty", "return_tokens_as_token_ids",
+              "chat_template_kwargs"]
     prompts = st.one_of(st.just("what is water"), st.lists(st.integers(0, 120), min_size=1, max_size=6), values)
     body = st.fixed_dictionaries({"prompt": prompts, "max_tokens": st.one_of(st.integers(1, 6), values)},
                                  optional={f: values for f in fields if f not in ("prompt", "max_tokens")})

@@ -75,6 +75,26 @@ def test_logit_bias_allowed_tokens_and_min_tokens():
     assert set(draws) == {5, 7}
 
 
+def test_bad_words_bar_their_last_token_after_the_rest():
+    """A one-token bad word is barred always; a longer one's last token only right after the
+    word's other tokens, read from the row's ring of its last outputs (which wraps)."""
+    from workers.sampler import HISTORY
+
+    v = 12
+    logits = torch.zeros(5, v, device=DEV)
+    logits[:, 7] = 5.0  # every row's greedy choice, unless barred
+    logits[:, 3] = 4.0  # the next best
+
+    def rec(words):
+        r = P(temperature=0)
+        return RequestSampling(**{**r.__dict__, "bad_words": words})
+    params = [rec([(7,)]), rec([(2, 9, 7)]), rec([(2, 9, 7)]), rec([(2, 9, 7)]), rec([(5, 7)])]
+    long = list(range(1, 1 + HISTORY)) + [2, 9]  # the ring wrapped before the word's first tokens
+    outputs = [[1], [4, 2, 9], [2, 4, 9], long, [5, 5, 8]]
+    got = sample(logits, build(params, v, outputs=outputs)).token_ids.tolist()
+    assert got == [3, 3, 7, 3, 7]
+
+
 def test_min_tokens_record_names_its_stop_tokens():
     r = SamplingParams(min_tokens=3, stop_token_ids=[9, 4]).for_workers(eos_token_ids=frozenset({2}))
     assert r.stop_ids == (2, 4, 9) and r.adjusts_logits
@@ -385,9 +405,10 @@ def test_no_sync_under_cuda_sync_debug_mode():
     v = 1000
     params = [P(temperature=0.0, logprobs=2), P(top_k=5, seed=3), P(top_p=0.9, min_p=0.05),
               P(repetition_penalty=1.2, presence_penalty=0.1, frequency_penalty=0.2, logprobs=4),
-              P(logit_bias={3: 5.0}, allowed_token_ids=[3, 4, 5], min_tokens=1, stop_token_ids=[4])]
-    t = SamplingTensors.build(params, [[1, 2], [3], [], [5], []], [[7], [], [8, 9], [1], []], v, "cuda")
-    logits = torch.randn(5, v, device="cuda", dtype=torch.bfloat16)
+              P(logit_bias={3: 5.0}, allowed_token_ids=[3, 4, 5], min_tokens=1, stop_token_ids=[4]),
+              RequestSampling(bad_words=((3,), (8, 9, 5)))]
+    t = SamplingTensors.build(params, [[1, 2], [3], [], [5], [], []], [[7], [], [8, 9], [1], [], [8, 9]], v, "cuda")
+    logits = torch.randn(6, v, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -19,8 +19,8 @@ from distengine.step import NewRequest, RequestSampling, StepPlan
 from workers.sampler import SamplingTensors
 
 WORKER_KEYS = {"temperature", "top_k", "top_p", "min_p", "presence_penalty",
-               "frequency_penalty", "repetition_penalty", "seed", "logprobs"}
-ADJUST_KEYS = {"logit_bias", "allowed_token_ids", "min_tokens", "stop_ids"}  # the logit adjustments' record
+               "frequency_penalty", "repetition_penalty", "seed", "logprobs", "prompt_logprobs"}
+ADJUST_KEYS = {"logit_bias", "allowed_token_ids", "min_tokens", "stop_ids", "bad_words"}  # the logit adjustments' record
 
 # ---------------------------------------------------------------------------- SamplingParams
 

@@ -176,6 +176,50 @@ def test_n_best_of_and_beam_search(server):
     assert r.usage.completion_tokens == 6
 
 
+def test_tokens_as_ids_and_chat_template_kwargs(server):
+    """vLLM's return_tokens_as_token_ids spells every logprobs token "token_id:ID" (the ids the
+    completion's text encodes); chat_template_kwargs reach the template as variables."""
+    import re
+    c = server.client
+    r = c.completions.create(model=server_model(c), prompt=[5, 6, 7], max_tokens=4, temperature=0, logprobs=2,
+                             extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    lp = r.choices[0].logprobs
+    ids = [int(re.fullmatch(r"token_id:(\d+)", t)[1]) for t in lp.tokens]
+    assert server.post("/detokenize", {"tokens": ids}).json()["prompt"] == r.choices[0].text
+    assert all(re.fullmatch(r"token_id:\d+", k) for d in lp.top_logprobs for k in d)
+    msgs = [{"role": "user", "content": "who made oil"}]
+    plain = c.chat.completions.create(model=server_model(c), messages=msgs, max_tokens=1)
+    more = c.chat.completions.create(model=server_model(c), messages=msgs, max_tokens=1,
+                                     extra_body={"chat_template_kwargs": {"greeting": "water"}})
+    assert more.usage.prompt_tokens == plain.usage.prompt_tokens + 1
+    bad = server.post("/v1/chat/completions", {"messages": msgs, "chat_template_kwargs": {"tokenize": True}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
+
+
+def test_echo_and_prompt_logprobs(server):
+    """echo puts the prompt before the completion, and with logprobs its tokens' logprobs before
+    the completion's (none for the first), the same as vLLM's prompt_logprobs gives them."""
+    c = server.client
+    r = server.post("/v1/completions", {"prompt": "what is water", "max_tokens": 2, "temperature": 0, "echo": True,
+                                        "logprobs": 1, "prompt_logprobs": 2, "ignore_eos": True}).json()
+    ch = r["choices"][0]
+    plain = c.completions.create(model=server_model(c), prompt="what is water", max_tokens=2, temperature=0,
+                                 extra_body={"ignore_eos": True})
+    assert ch["text"].startswith("what is water")
+    assert ch["text"][len("what is water"):].strip() == plain.choices[0].text.strip()
+    lp, prompt = ch["logprobs"], ch["prompt_logprobs"]
+    assert len(lp["tokens"]) == 3 + 2 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert "".join(lp["tokens"]) == ch["text"] and lp["text_offset"][3] == len("what is water")
+    ids = server.post("/tokenize", {"prompt": "what is water"}).json()["tokens"]
+    assert prompt[0] is None and len(prompt) == 3
+    for i in (1, 2):
+        entry = prompt[i][str(ids[i])]
+        assert entry["logprob"] == pytest.approx(lp["token_logprobs"][i]) and entry["rank"] >= 1
+        assert len(prompt[i]) >= 2 and entry["decoded_token"].strip() == lp["tokens"][i].strip()
+    bad = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "echo"
+
+
 def test_cached_tokens_on_a_repeated_prefix(server):
     system = " ".join(["you are a helpful assistant ."] * 8)
     first = server.client.completions.create(model=server_model(server.client), prompt=system + " what is water",

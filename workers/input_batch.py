@@ -289,11 +289,11 @@ class InputBatch:
         rows = self.staging.view(step.staged.sample_rows).long()
         return self.sampling.tensors(rows, step.sample_rows_np, generator)
 
-    def record_sampled(self, step: StepInputs, tokens: torch.Tensor, penalties: bool) -> None:
+    def record_sampled(self, step: StepInputs, tokens: torch.Tensor, penalties: bool, history: bool = False) -> None:
         """The sampled tokens become the rows' last tokens (the next decode's inputs)."""
         rows = self.staging.view(step.staged.sample_rows).long()
         self.last_token[rows] = tokens
-        self.sampling.record_sampled(rows, tokens, penalties)
+        self.sampling.record_sampled(rows, tokens, penalties, history)
         self.has_sampled[step.sample_rows_np] = True
 
     def table_rows(self, req_id: str) -> list[list[int]]:

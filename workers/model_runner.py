@@ -40,12 +40,51 @@ class _PinnedBuffers:
         return buf[:n].view(shape)
 
 
+class PromptLogprobs:
+    """One request's prompt logprobs as its prefill chunks compute them (on the device): for
+    each prompt position but the last, the next prompt token's logprob, its rank, and the top k."""
+
+    LOGITS_ROWS = 512  # positions whose logits [rows, vocab] are computed at once
+
+    def __init__(self, prompt: list[int], k: int) -> None:
+        self.prompt, self.k, self.done = prompt, k, 0
+        self.parts: list[tuple[torch.Tensor, ...]] = []
+
+    @property
+    def complete(self) -> bool:
+        return self.done >= len(self.prompt)
+
+    def add_chunk(self, model, hidden: torch.Tensor, n: int) -> None:
+        """`hidden` [n, H]: the chunk's positions done .. done + n - 1 (every rank calls this:
+        the LM head's gather is a collective)."""
+        m = min(n, len(self.prompt) - 1 - self.done)  # the last prompt position has no next prompt token
+        for a in range(0, max(m, 0), self.LOGITS_ROWS):
+            b = min(m, a + self.LOGITS_ROWS)
+            lp = torch.log_softmax(model.compute_logits(hidden[a:b]).float(), dim=-1)
+            nxt = torch.tensor(self.prompt[self.done + a + 1:self.done + b + 1])
+            nxt = nxt.pin_memory().to(lp.device, non_blocking=True) if lp.is_cuda else nxt  # (no wait on the device)
+            got = lp.gather(1, nxt[:, None])
+            rank = (lp > got).sum(1) + 1
+            top = lp.topk(self.k, dim=-1) if self.k else None
+            self.parts.append((nxt, got[:, 0], rank, *((top.indices, top.values) if top is not None else (None, None))))
+        self.done += n
+
+    def rows(self) -> list[list]:
+        """[tokens, logprobs, ranks, top ids, top logprobs] as lists (`StepOutput.prompt_logprobs`)."""
+        cols = list(zip(*self.parts)) if self.parts else [()] * 5
+        out = [torch.cat(c).tolist() if c else [] for c in cols[:3]]
+        for c in cols[3:]:
+            out.append(torch.cat(c).tolist() if c and c[0] is not None else [[] for _ in out[0]])
+        return out
+
+
 class PendingOutput:
     """A step's sampled tokens on their way to the host (a non-blocking copy and an event)."""
 
     def __init__(self, step_id: int, req_ids: list[str], out: SamplerOutput, bufs: _PinnedBuffers,
-                 cuda: bool) -> None:
+                 cuda: bool, prompt_logprobs: dict[str, PromptLogprobs] | None = None) -> None:
         self.step_id, self.req_ids = step_id, req_ids
+        self.prompt_logprobs = prompt_logprobs
         parity = step_id & 1
         self.host: dict[str, torch.Tensor] = {}
         for name, t in (("tokens", out.token_ids), ("logprobs", out.logprobs), ("top_ids", out.top_token_ids),
@@ -67,7 +106,8 @@ class PendingOutput:
         return StepOutput(self.step_id, self.req_ids, h["tokens"].tolist(),
                           h["logprobs"].tolist() if "logprobs" in h else None,
                           h["top_ids"].tolist() if "top_ids" in h else None,
-                          h["top_lp"].tolist() if "top_lp" in h else None)
+                          h["top_lp"].tolist() if "top_lp" in h else None,
+                          {rid: p.rows() for rid, p in self.prompt_logprobs.items()} if self.prompt_logprobs else None)
 
 
 class ModelRunner:
@@ -86,6 +126,7 @@ class ModelRunner:
         self.use_graphs = self.device.type == "cuda" and not config.enforce_eager
         self.graphs: DecodeGraphs | None = None
         self.outputs = _PinnedBuffers(self.device.type == "cuda")
+        self.prompt_logprobs: dict[str, PromptLogprobs] = {}  # requests whose prompt logprobs are being computed
         self.kv_pool: torch.Tensor | None = None
         self.num_blocks = 0
 
@@ -179,23 +220,37 @@ class ModelRunner:
         batch = self.batch
         for rid in plan.finished_req_ids:
             batch.remove(rid)
+            self.prompt_logprobs.pop(rid, None)
         for req in plan.new_requests:
             batch.add(req)
+            if req.sampling.prompt_logprobs is not None and req.num_output_tokens == 0:
+                self.prompt_logprobs[req.req_id] = PromptLogprobs(req.prompt_token_ids, req.sampling.prompt_logprobs)
         if not plan.scheduled:
             return None
         step = batch.prepare(plan.scheduled, self.graphs.sizes if self.graphs else None)
         with torch.no_grad():
-            logits = self._logits(step)
+            logits = self._logits(step, plan)
             if logits is None:
                 return None
             t = batch.sampling_tensors(step, self.generator)
             out = sample(logits, t)
-            batch.record_sampled(step, out.token_ids, t.any_penalties)
+            batch.record_sampled(step, out.token_ids, t.any_penalties, t.adjust is not None and t.adjust.reads_history)
+        done = {rid: self.prompt_logprobs.pop(rid) for rid in step.sample_req_ids
+                if rid in self.prompt_logprobs and self.prompt_logprobs[rid].complete}
         if self.tp.rank != 0:
             return None
-        return PendingOutput(plan.step_id, step.sample_req_ids, out, self.outputs, self.device.type == "cuda")
+        return PendingOutput(plan.step_id, step.sample_req_ids, out, self.outputs, self.device.type == "cuda", done)
 
-    def _logits(self, step: StepInputs) -> torch.Tensor | None:
+    def _prompt_chunks(self, plan: StepPlan, hidden: torch.Tensor) -> None:
+        """The prompt logprobs of the step's prefill chunks that ask for them."""
+        start = 0
+        for s in plan.scheduled:
+            p = self.prompt_logprobs.get(s.req_id)
+            if p is not None and not p.complete:
+                p.add_chunk(self.model, hidden[start:start + s.num_new_tokens], s.num_new_tokens)
+            start += s.num_new_tokens
+
+    def _logits(self, step: StepInputs, plan: StepPlan) -> torch.Tensor | None:
         """The logits of the step's sampling requests (every rank computes them: the LM head's
         gather is a collective)."""
         if step.graph_size is not None:
@@ -207,6 +262,8 @@ class ModelRunner:
             return logits[self.batch.sample_seq(step)]
         inputs = self.batch.eager_inputs(step)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata)
+        if self.prompt_logprobs:
+            self._prompt_chunks(plan, hidden)
         if not step.sample_req_ids:
             return None
         return self.model.compute_logits(hidden[inputs.logits_indices])

@@ -3,8 +3,10 @@
 Pipeline of `sample` (row = one request sampled this step):
 
 0. Logit adjustments (`LogitAdjustments`, only for rows that ask; vLLM's order, before the
-   penalties): `allowed_token_ids` bars every other token (-inf), `logit_bias` adds each bias, and
-   while a row has fewer than `min_tokens` outputs its stop tokens are barred.
+   penalties): `allowed_token_ids` bars every other token (-inf), `logit_bias` adds each bias,
+   while a row has fewer than `min_tokens` outputs its stop tokens are barred, and a bad word's
+   last token is barred when the row's last outputs are the word's other tokens (a one-token word
+   always), read from the row's ring of its last HISTORY outputs on the device.
 1. Penalties, on a float32 copy of the logits (the caller's tensor is never modified):
    repetition (tokens seen in prompt or output: positive logits divided by the penalty, negative
    ones multiplied), then frequency (``- freq * count_in_output``), then presence
@@ -50,11 +52,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from distengine.limits import MAX_BAD_WORD_TOKENS
 from distengine.step import RequestSampling
 
-__all__ = ["LogitAdjustments", "SamplingTensors", "SamplerOutput", "sample", "apply_penalties", "seeded_uniform"]
+__all__ = ["HISTORY", "LogitAdjustments", "SamplingTensors", "history_of", "SamplerOutput", "sample", "apply_penalties", "seeded_uniform"]
 
 _MASK64 = (1 << 64) - 1
+HISTORY = MAX_BAD_WORD_TOKENS - 1  # outputs a row's ring keeps: a bad word's tokens before its last
 
 
 def _i64(c: int) -> int:
@@ -107,12 +111,23 @@ class LogitAdjustments:
     until: Tensor                 # [M] int64
     allowed_rows: Tensor | None   # [A] int64
     allowed_pairs: Tensor | None  # [2, P] int64
+    # Bad words of two tokens or more: the row, the tokens before the last (padded to HISTORY),
+    # how many, the last; `history` [N, HISTORY]: each row's ring of its last outputs (output i
+    # at i % HISTORY).
+    word_rows: Tensor | None = None    # [B] int64
+    word_prefix: Tensor | None = None  # [B, HISTORY] int64
+    word_len: Tensor | None = None     # [B] int64
+    word_last: Tensor | None = None    # [B] int64
+    history: Tensor | None = None
 
     @classmethod
-    def build(cls, records: list[tuple[int, RequestSampling]], device) -> "LogitAdjustments | None":
+    def build(cls, records: list[tuple[int, RequestSampling]], device,
+              history: Tensor | None = None) -> "LogitAdjustments | None":
         """(row in the step, record) of the rows that adjust; None when none does. The host
-        arrays reach the device through pinned memory without waiting for it."""
+        arrays reach the device through pinned memory without waiting for it. `history`: the
+        step's rows' rings, needed when a record has a bad word of several tokens."""
         rows, tokens, values, until, allowed_rows, allowed = [], [], [], [], [], []
+        word_rows, word_prefix, word_len, word_last = [], [], [], []
         forever = np.iinfo(np.int64).max
         for row, r in records:
             for token, bias in r.logit_bias:
@@ -123,8 +138,16 @@ class LogitAdjustments:
             if r.allowed_token_ids:
                 allowed_rows.append(row)
                 allowed.extend((row, token) for token in r.allowed_token_ids)
-        if not rows and not allowed_rows:
+            for word in r.bad_words:
+                if len(word) == 1:
+                    rows.append(row), tokens.append(word[0]), values.append(float("-inf")), until.append(forever)
+                else:
+                    word_rows.append(row), word_len.append(len(word) - 1), word_last.append(word[-1])
+                    word_prefix.append(list(word[:-1]) + [0] * (HISTORY - len(word) + 1))
+        if not rows and not allowed_rows and not word_rows:
             return None
+        if word_rows and history is None:
+            raise ValueError("bad words of several tokens need the rows' output history")
         dev = torch.device(device)
 
         def put(a: np.ndarray) -> Tensor:
@@ -132,9 +155,18 @@ class LogitAdjustments:
             return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t.to(dev)
 
         i64 = np.int64
+        words = {}
+        if word_rows:
+            words = dict(word_rows=put(np.asarray(word_rows, i64)), word_prefix=put(np.asarray(word_prefix, i64)),
+                         word_len=put(np.asarray(word_len, i64)), word_last=put(np.asarray(word_last, i64)),
+                         history=history)
         return cls(put(np.asarray(rows, i64)), put(np.asarray(tokens, i64)), put(np.asarray(values, np.float32)),
                    put(np.asarray(until, i64)), put(np.asarray(allowed_rows, i64)) if allowed_rows else None,
-                   put(np.asarray(allowed, i64).reshape(-1, 2).T.copy()) if allowed_rows else None)
+                   put(np.asarray(allowed, i64).reshape(-1, 2).T.copy()) if allowed_rows else None, **words)
+
+    @property
+    def reads_history(self) -> bool:
+        return self.word_rows is not None
 
     def apply(self, x: Tensor, output_counts: Tensor) -> None:
         """In place on float32 logits [N, V]; `output_counts` [N]: each row's outputs so far."""
@@ -146,6 +178,13 @@ class LogitAdjustments:
         if self.rows.numel():
             live = output_counts[self.rows] < self.until
             x.index_put_((self.rows, self.tokens), torch.where(live, self.values, 0.0), accumulate=True)
+        if self.word_rows is not None:
+            count, n = output_counts[self.word_rows], self.word_len
+            j = torch.arange(HISTORY, device=x.device)
+            # the row's last n outputs: outputs count - n .. count - 1, in ring order
+            seen = self.history[self.word_rows].gather(1, (count[:, None] - n[:, None] + j[None, :]) % HISTORY)
+            hit = ((seen == self.word_prefix) | (j[None, :] >= n[:, None])).all(1) & (count >= n)
+            x.index_put_((self.word_rows, self.word_last), torch.where(hit, float("-inf"), 0.0), accumulate=True)
 
 
 @dataclass
@@ -226,7 +265,19 @@ class SamplingTensors:
             prompt_mask=counts(prompt_token_ids).gt(0) if any_rep else None,
             output_counts=counts(output_token_ids) if flags["any_penalties"] else None,
             generator=generator, adjust=LogitAdjustments.build(
-                [(i, r) for i, r in enumerate(params) if r.adjusts_logits], dev), **flags)
+                [(i, r) for i, r in enumerate(params) if r.adjusts_logits], dev,
+                history_of(output_token_ids, dev) if any(len(w) > 1 for r in params for w in r.bad_words) else None),
+            **flags)
+
+
+def history_of(output_token_ids: list[list[int]], device) -> Tensor:
+    """[N, HISTORY]: each row's last outputs in its ring (output i at i % HISTORY), as the
+    workers' persistent rows keep them."""
+    ring = torch.zeros((len(output_token_ids), HISTORY), dtype=torch.int64)
+    for row, tokens in enumerate(output_token_ids):
+        for i in range(max(0, len(tokens) - HISTORY), len(tokens)):
+            ring[row, i % HISTORY] = tokens[i]
+    return ring.to(device)
 
 
 class RowFlags:

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from distengine.step import NewRequest, RequestSampling
-from workers.sampler import LogitAdjustments, RowFlags, SamplingTensors, seed_bits, top_k_or_vocab
+from workers.sampler import HISTORY, LogitAdjustments, RowFlags, SamplingTensors, seed_bits, top_k_or_vocab
 from workers.staging import Section, Staging
 
 # The per-row tensors staged as float32 and as int64, each a column of its section: one list for
@@ -31,6 +31,7 @@ class StagedRows:
     penalised_rows: Section | None = None  # rows whose counts start again
     prompt_pairs: Section | None = None    # (row, token) of every prompt token, for the repetition penalty
     output_pairs: Section | None = None    # (row, token) of a resumed request's outputs
+    history: Section | None = None         # (row, ring slot, token) of a resumed request's last outputs
 
 
 class SamplingState:
@@ -46,6 +47,7 @@ class SamplingState:
         self.i64["top_k"].fill_(V)
         self.prompt_mask = torch.zeros(num_rows, V, dtype=torch.bool, device=device)
         self.output_counts = torch.zeros(num_rows, V, dtype=torch.int32, device=device)
+        self.history = torch.zeros(num_rows, HISTORY, dtype=torch.int64, device=device)  # bad words' rings
         self.flags = RowFlags(num_rows)
         self._new: list[tuple[int, NewRequest]] = []
         self._records: dict[int, RequestSampling] = {}  # the rows whose records adjust logits
@@ -61,7 +63,7 @@ class SamplingState:
     @property
     def num_queued_words(self) -> int:
         """int32 words the queued rows stage at most."""
-        return sum(32 + 2 * (len(r.prompt_token_ids) + len(r.output_token_ids)) for _, r in self._new)
+        return sum(32 + 2 * (len(r.prompt_token_ids) + len(r.output_token_ids)) + 3 * HISTORY for _, r in self._new)
 
     def stage(self, st: Staging) -> StagedRows | None:
         if not self._new:
@@ -80,6 +82,10 @@ class SamplingState:
 
         staged = StagedRows(st.put([row for row, _ in new]), st.put([f32(r.sampling) for _, r in new], np.float32),
                             st.put([i64(r) for _, r in new], np.int64))
+        ring = [(row, i % HISTORY, r.output_token_ids[i]) for row, r in new if r.sampling.bad_words
+                for i in range(max(0, len(r.output_token_ids) - HISTORY), len(r.output_token_ids))]
+        if ring:
+            staged.history = st.put(np.asarray(ring, dtype=np.int32).T.copy())
         # Rows without penalties keep a former occupant's counts: their penalty values (1 and 0)
         # make them a no-op.
         counted = [(row, r) for row, r in new if r.sampling.penalised]
@@ -103,6 +109,9 @@ class SamplingState:
         i64 = st.view(staged.i64).view(-1, len(_I64))
         for k, name in enumerate(_I64):
             self.i64[name][rows] = i64[:, k]
+        if staged.history is not None:
+            ring = st.view(staged.history).view(3, -1).long()
+            self.history[ring[0], ring[1]] = ring[2]
         if staged.penalised_rows is not None:
             counted = st.view(staged.penalised_rows).long()
             self.prompt_mask[counted] = False
@@ -127,8 +136,11 @@ class SamplingState:
 
         f, i, seeded = self.f32, self.i64, flags["any_seeded"]
         adjusting = np.flatnonzero(self.flags.adjusts[rows_np])
-        adjust = LogitAdjustments.build([(int(k), self._records[int(rows_np[k])]) for k in adjusting], self.device) \
-            if adjusting.size else None
+        adjust = None
+        if adjusting.size:
+            records = [(int(k), self._records[int(rows_np[k])]) for k in adjusting]
+            words = any(len(w) > 1 for _, r in records for w in r.bad_words)
+            adjust = LogitAdjustments.build(records, self.device, self.history[rows] if words else None)
         return SamplingTensors(
             temperature=take(f["temperature"], not flags["all_greedy"]), top_k=take(i["top_k"], flags["any_top_k"]),
             top_p=take(f["top_p"], flags["any_top_p"]), min_p=take(f["min_p"], flags["any_min_p"]),
@@ -139,7 +151,11 @@ class SamplingState:
             prompt_mask=self.prompt_mask[rows] if pen and self.flags.reads_prompt[rows_np].any() else None,
             output_counts=self.output_counts[rows] if pen else None, generator=generator, adjust=adjust, **flags)
 
-    def record_sampled(self, rows: torch.Tensor, tokens: torch.Tensor, penalties: bool) -> None:
+    def record_sampled(self, rows: torch.Tensor, tokens: torch.Tensor, penalties: bool, history: bool) -> None:
+        """`history`: some row of the step reads its ring (bad words), which every row's sampled
+        token then enters (only such rows read it, and they sample in every step they are in)."""
+        if history:
+            self.history[rows, self.i64["output_token_count"][rows] % HISTORY] = tokens
         self.i64["output_token_count"][rows] += 1
         if penalties:
             self.output_counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)

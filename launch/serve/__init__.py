@@ -189,7 +189,6 @@ def _stats_interval() -> float:
     """The stats line's period: $DISTENGINE_LOG_STATS_INTERVAL seconds (vLLM's is
     VLLM_LOG_STATS_INTERVAL), 10 by default; its lines go to stdout."""
     import logging
-    import sys
     text = os.environ.get("DISTENGINE_LOG_STATS_INTERVAL", "10")
     try:
         interval = float(text)

@@ -19,7 +19,7 @@ from distengine.executor import EngineDeadError, RequestError
 from distengine.generation_config import SamplingDefaults
 from distengine.sampling_params import SamplingParams
 from launch.serve.errors import APIError, bad_input, died_message, error_body, not_running
-from launch.serve.protocol import SSE_DONE, ResponseBuilder, sse, usage
+from launch.serve.protocol import SSE_DONE, ResponseBuilder, TokenIdSpelling, sse, usage
 from launch.serve.state import ServerState
 
 
@@ -29,23 +29,25 @@ async def create_completion(state: ServerState, req, raw: Request, prompts: list
     name = state.model_name(req.model)
     try:
         sp, checked = await _check(state.engine, req, prompts, logprobs, state.sampling_defaults)
+        beams = req.beam_search_params(sp.max_tokens) if req.use_beam_search else None
     except (ValueError, TypeError) as e:
         raise bad_input(e) from None
     except EngineDeadError as e:
         raise not_running(e) from None
     top = (getattr(req, "top_logprobs", None) or 0) if chat else 0
-    reply = ResponseBuilder.start(name, chat, state.tokenizer, top, raw.headers.get("x-request-id") or req.request_id)
+    spelling = TokenIdSpelling() if req.return_tokens_as_token_ids else state.tokenizer
+    reply = ResponseBuilder.start(name, chat, spelling, top, raw.headers.get("x-request-id") or req.request_id)
     suffix = secrets.token_hex(4)
     run = _Generation(state.engine, checked, sp, reply, [f"{reply.id}-{i}-{suffix}" for i in range(len(checked))])
     if state.request_logger is not None:
         for rid, (text, ids) in zip(run.request_ids, checked):
             state.request_logger.log(rid, text, ids, sp)
-    if req.use_beam_search:
-        return await run.beam_search(raw, req.beam_search_params(sp.max_tokens))
+    if beams is not None:
+        return await run.beam_search(raw, beams)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(run.events(include_usage), media_type="text/event-stream")
-    return await run.whole(raw, with_logprobs=logprobs is not None)
+    return await run.whole(raw, with_logprobs=logprobs is not None, echo=not chat and req.echo)
 
 
 async def _check(engine, req, prompts: list, logprobs: int | None,
@@ -164,14 +166,18 @@ class _Generation:
         except RequestError as e:
             raise APIError(500, str(e)) from None
 
-    async def whole(self, raw: Request, with_logprobs: bool):
-        """The response body once every prompt has finished; 499 if the client left first."""
+    async def whole(self, raw: Request, with_logprobs: bool, echo: bool = False):
+        """The response body once every prompt has finished; 499 if the client left first.
+        `echo`: each choice starts with its prompt (and its logprobs with the prompt's)."""
         choices = [_Choice() for _ in range(len(self.checked) * self.n)]
+        prompt_lps: dict[int, tuple[list, list]] = {}  # prompt index -> (its logprobs, their ranks)
         cached = 0
 
         async def collect() -> bool:
             nonlocal cached
             async for i, out in self.outputs():
+                if out.prompt_logprobs is not None:
+                    prompt_lps.setdefault(i, (out.prompt_logprobs, out.prompt_logprob_ranks))
                 for c in out.outputs:
                     got = choices[i * self.n + c.index]
                     got.text += c.text
@@ -185,10 +191,25 @@ class _Generation:
 
         if await self._until_done(raw, collect()) is None:
             return Response(status_code=499)  # nobody is listening
-        reply = self.reply
-        body = [reply.choice(i, c.text, reply.logprobs(c.token_ids, c.logprobs) if with_logprobs else None,
-                             c.finish_reason, c.stop_reason) for i, c in enumerate(choices)]
-        return reply.response(body, usage(self.prompt_tokens, sum(len(c.token_ids) for c in choices), cached))
+        reply, body = self.reply, []
+        for k, c in enumerate(choices):
+            text, ids = self.checked[k // self.n]
+            lps, ranks = prompt_lps.get(k // self.n, (None, None))
+            head = (text if text is not None else reply.tokenizer.decode(ids)) if echo else ""
+            logprobs = None
+            if with_logprobs:
+                logprobs = reply.logprobs(c.token_ids, c.logprobs, len(head), ids[-1] if echo else None)
+                if echo:
+                    logprobs = reply.echoed_logprobs(ids, lps, logprobs)
+            gap = reply.gap(ids[-1], c.token_ids[0]) if echo and c.token_ids else ""
+            choice = reply.choice(k, head + gap + c.text, logprobs, c.finish_reason, c.stop_reason)
+            if self.sampling_params.prompt_logprobs is not None and lps is not None and not reply.chat:
+                choice["prompt_logprobs"] = reply.prompt_logprobs(ids, lps, ranks)
+            body.append(choice)
+        response = reply.response(body, usage(self.prompt_tokens, sum(len(c.token_ids) for c in choices), cached))
+        if reply.chat and self.sampling_params.prompt_logprobs is not None and 0 in prompt_lps:
+            response["prompt_logprobs"] = reply.prompt_logprobs(self.checked[0][1], *prompt_lps[0])
+        return response
 
     async def events(self, include_usage: bool) -> AsyncIterator[str]:
         """The server-sent events of a streamed response; an engine that dies ends them with an

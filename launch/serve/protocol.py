@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
-from distengine.beam_search import BeamSearchParams
+from distengine.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
 from distengine.generation_config import SamplingDefaults
 from distengine.inputs import check_message_content
 from distengine.limits import MAX_MESSAGES, MAX_PROMPTS_PER_REQUEST, MAX_TOKEN_IDS, bad_text
@@ -33,17 +33,19 @@ BEAM_SEARCH_UNUSED = {"top_p": (None, 1.0), "top_k": (None, 0, -1), "min_p": (No
                       "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
                       "repetition_penalty": (None, 1.0), "stop": (None, [], ""), "stop_token_ids": (None, []),
                       "min_tokens": (0,), "logit_bias": (None, {}), "allowed_token_ids": (None,),
-                      "best_of": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0)}
+                      "best_of": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0),
+                      "bad_words": (None, []), "prompt_logprobs": (None,), "echo": (None, False)}
 
 
 # Fields of OpenAI's or vLLM's API that we do not implement, with the values that ask for nothing
 # (a client may send those): anything else is refused with the field named.
-NOT_IMPLEMENTED = {"prompt_logprobs": (None,), "bad_words": (None, []), "guided_json": (None,), "guided_regex": (None,),
+NOT_IMPLEMENTED = {"guided_json": (None,), "guided_regex": (None,),
                    "guided_choice": (None,), "guided_grammar": (None,), "guided_decoding_backend": (None,),
-                   "structured_outputs": (None,), "truncate_prompt_tokens": (None,), "return_tokens_as_token_ids": (None, False),
+                   "structured_outputs": (None,), "truncate_prompt_tokens": (None,),
                    "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-                   "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]), "echo": (None, False),
-                   "suffix": (None, ""), "response_format": (None, {"type": "text"})}
+                   "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
+                   "suffix": (None, ""), "response_format": (None, {"type": "text"}),
+                   "spaces_between_special_tokens": (None, True), "continue_final_message": (None, False)}
 
 
 def _first_bad_text(value, path: str) -> str | None:
@@ -111,6 +113,9 @@ class _Sampling(Body):
     request_id: str | None = None  # vLLM's: the response's id, unless the X-Request-Id header gives one
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a JSON key, so a string) -> bias
     allowed_token_ids: list[StrictInt] | None = Field(None, max_length=MAX_TOKEN_IDS)
+    bad_words: list[str] | None = None  # vLLM's
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and the top k
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:ID"
     use_beam_search: bool = False  # vLLM's: n beams
     length_penalty: float = 1.0    # (beam search's)
 
@@ -121,6 +126,8 @@ class _Sampling(Body):
             out.append(("stream_options", "stream_options needs stream: true"))
         if self.best_of is not None and self.best_of > self.n and self.stream:
             out.append(("best_of", "best_of > n does not stream: the n returned are chosen at the end"))
+        if self.prompt_logprobs is not None and self.stream:
+            out.append(("prompt_logprobs", "prompt_logprobs does not stream"))
         if self.use_beam_search:
             if self.stream:
                 out.append(("use_beam_search", "beam search does not stream: its beams are known at the end"))
@@ -131,6 +138,8 @@ class _Sampling(Body):
         return out
 
     def beam_search_params(self, max_tokens: int) -> BeamSearchParams:
+        if not 1 <= self.n <= MAX_BEAM_WIDTH:
+            raise ValueError(f"n: beam search takes 1 to {MAX_BEAM_WIDTH} beams, got {self.n}")
         return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
                                 temperature=0.0 if self.temperature is None else self.temperature,
                                 length_penalty=self.length_penalty,
@@ -138,6 +147,13 @@ class _Sampling(Body):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def wanted_prompt_logprobs(self, logprobs: int | None) -> int | None:
+        """The prompt logprobs the engine computes: those asked, or the completion's k when an
+        echoed prompt's tokens need theirs."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return logprobs if getattr(self, "echo", False) and logprobs is not None else None
 
     def token_biases(self) -> dict[int, float] | None:
         """`logit_bias` with its keys as token ids and each bias clipped to [-100, 100] (OpenAI's
@@ -162,7 +178,8 @@ class _Sampling(Body):
                   min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids, logprobs=logprobs,
                   skip_special_tokens=self.skip_special_tokens,
                   include_stop_str_in_output=self.include_stop_str_in_output,
-                  logit_bias=self.token_biases(), allowed_token_ids=self.allowed_token_ids)
+                  logit_bias=self.token_biases(), allowed_token_ids=self.allowed_token_ids,
+                  bad_words=self.bad_words, prompt_logprobs=self.wanted_prompt_logprobs(logprobs))
         for name, neutral in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0),
                               ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
             value = getattr(self, name)
@@ -179,6 +196,7 @@ class CompletionRequest(_Sampling):
     prompt: PromptInput
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
+    echo: bool = False  # the prompt before each completion (with its tokens' logprobs, when asked)
 
     @field_validator("prompt")
     @classmethod
@@ -192,6 +210,8 @@ class CompletionRequest(_Sampling):
         out = super().unsupported()
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             out.append(("logprobs", f"logprobs must be in [0, 20], got {self.logprobs}"))
+        if self.echo and (self.stream or self.use_beam_search):
+            out.append(("echo", "echo with stream or use_beam_search is not supported"))
         return out
 
     def prompts(self) -> list:
@@ -233,9 +253,12 @@ class ChatCompletionRequest(_Sampling):
     tools: list | None = None
     response_format: dict | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict | None = None  # vLLM's: more variables for the template (enable_thinking, ...)
 
     def unsupported(self) -> list[tuple[str, str]]:
         out = super().unsupported()
+        if (self.model_extra or {}).get("echo") not in (None, False):
+            out.append(("echo", "echo on chat completions is not supported"))
         if self.tools:
             out.append(("tools", "tool calls are not supported"))
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -267,18 +290,22 @@ class DetokenizeRequest(Body):
 
 
 def chat_prompt(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                chat_template: str | None = None) -> str:
-    """The messages as one prompt, through `chat_template`, else the tokenizer's; ValueError names
-    `messages`."""
+                chat_template: str | None = None, template_kwargs: dict | None = None) -> str:
+    """The messages as one prompt, through `chat_template`, else the tokenizer's, with the
+    request's `template_kwargs` as more template variables; ValueError names `messages`."""
     if tokenizer is None:
         raise ValueError("messages: this model has no tokenizer: use /v1/completions with token ids")
     if not chat_template and not getattr(tokenizer, "chat_template", None):
         raise ValueError("messages: this model has no chat template: give the server one (--chat-template) "
                          "or use /v1/completions")
     try:
+        reserved = {"chat_template", "tokenize", "add_generation_prompt", "conversation", "messages"} & \
+            set(template_kwargs or {})
+        if reserved:
+            raise ValueError(f"chat_template_kwargs: {sorted(reserved)[0]!r} is set by the request itself")
         return tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
                                              chat_template=chat_template, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
     except ValueError:
         raise
     except Exception as e:  # noqa: BLE001 - jinja2's TemplateError (raise_exception), ...
@@ -306,6 +333,15 @@ def _finite(x):
     """A logprob strict JSON can carry: NaN and anything below -9999 (-inf included) become
     -9999, vLLM's floor; rounding above 0 becomes 0."""
     return None if x is None else (-9999.0 if x != x or x < -9999.0 else min(x, 0.0))
+
+
+class TokenIdSpelling:
+    """What names the logprobs' tokens under vLLM's `return_tokens_as_token_ids`: each token as
+    "token_id:ID", whatever text it decodes to (a token that is part of a character has none)."""
+
+    @staticmethod
+    def decode(ids: list[int]) -> str:
+        return "".join(f"token_id:{t}" for t in ids)
 
 
 def token_text(tokenizer, t: int, prev: int | None = None) -> str:
@@ -369,6 +405,37 @@ class ResponseBuilder:
         if self.chat:
             return chat_logprobs(self.tokenizer, token_ids, lps, self.top_logprobs, prev)
         return completion_logprobs(self.tokenizer, token_ids, lps, offset, prev)
+
+    def gap(self, prev: int, t: int) -> str:
+        """What token `t` reads as after `prev` beyond its own text (a completion's text is its
+        tokens' own: the space its first token takes after the prompt, for an echoed prompt)."""
+        if self.tokenizer is None:
+            return ""
+        alone, after = self.tokenizer.decode([t]), token_text(self.tokenizer, t, prev)
+        return after[:len(after) - len(alone)] if alone and after.endswith(alone) else ""
+
+    def echoed_logprobs(self, prompt: list[int], prompt_lps: list | None, completion: dict) -> dict:
+        """A completion's logprobs (OpenAI's legacy shape) after those of its echoed prompt: the
+        first prompt token has none, each later one its logprob and the top k."""
+        first = token_text(self.tokenizer, prompt[0])
+        head = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
+        if len(prompt) > 1:
+            rest = completion_logprobs(self.tokenizer, prompt[1:], prompt_lps[1:], len(first), prompt[0])
+            for key in head:
+                head[key] += rest[key]
+        return {key: head[key] + completion[key] for key in head}
+
+    def prompt_logprobs(self, prompt: list[int], lps: list, ranks: list) -> list:
+        """vLLM's `prompt_logprobs`: None for the first token, then {token id: {logprob, rank,
+        decoded_token}} of the prompt token and the top k (ranked by their order)."""
+        out: list = [None]
+        for t, d, r in zip(prompt[1:], lps[1:], ranks[1:]):
+            top = sorted(d.items(), key=lambda kv: -kv[1])
+            entry = {str(k): {"logprob": _finite(v), "rank": n + 1, "decoded_token": token_text(self.tokenizer, k)}
+                     for n, (k, v) in enumerate(top) if k != t}
+            out.append({str(t): {"logprob": _finite(d[t]), "rank": r, "decoded_token": token_text(self.tokenizer, t)},
+                        **entry})
+        return out
 
     def choice(self, index: int, text: str, logprobs: dict | None, finish_reason, stop_reason) -> dict:
         body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}

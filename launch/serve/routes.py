@@ -38,9 +38,10 @@ async def chat_completions(req: ChatCompletionRequest, raw: Request, state: Stat
     _admit(state, req)
     try:
         prompt = await asyncio.to_thread(chat_prompt, state.tokenizer, req.messages, req.add_generation_prompt,
-                                         state.chat_template)
+                                         state.chat_template, req.chat_template_kwargs)
     except ValueError as e:
-        raise APIError(400, str(e), "messages") from None
+        raise APIError(400, str(e), str(e).split(":", 1)[0] if str(e).startswith("chat_template_kwargs")
+                       else "messages") from None
     return await create_completion(state, req, raw, [prompt], req.num_logprobs(), chat=True)
 
 
