@@ -187,6 +187,9 @@ def test_tokens_as_ids_and_chat_template_kwargs(server):
     ids = [int(re.fullmatch(r"token_id:(\d+)", t)[1]) for t in lp.tokens]
     assert server.post("/detokenize", {"tokens": ids}).json()["prompt"] == r.choices[0].text
     assert all(re.fullmatch(r"token_id:\d+", k) for d in lp.top_logprobs for k in d)
+    echoed = server.post("/v1/completions", {"prompt": "what is water", "max_tokens": 2, "echo": True, "logprobs": 0,
+                                             "return_tokens_as_token_ids": True}).json()["choices"][0]
+    assert echoed["text"].startswith("what is water") and echoed["logprobs"]["tokens"][0].startswith("token_id:")
     msgs = [{"role": "user", "content": "who made oil"}]
     plain = c.chat.completions.create(model=server_model(c), messages=msgs, max_tokens=1)
     more = c.chat.completions.create(model=server_model(c), messages=msgs, max_tokens=1,

@@ -19,7 +19,7 @@ from distengine.executor import EngineDeadError, RequestError
 from distengine.generation_config import SamplingDefaults
 from distengine.sampling_params import SamplingParams
 from launch.serve.errors import APIError, bad_input, died_message, error_body, not_running
-from launch.serve.protocol import SSE_DONE, ResponseBuilder, TokenIdSpelling, sse, usage
+from launch.serve.protocol import SSE_DONE, ResponseBuilder, TokenIdSpelling, sse, token_gap, usage
 from launch.serve.state import ServerState
 
 
@@ -191,17 +191,19 @@ class _Generation:
 
         if await self._until_done(raw, collect()) is None:
             return Response(status_code=499)  # nobody is listening
-        reply, body = self.reply, []
+        reply, body, tokenizer = self.reply, [], self.engine.tokenizer
         for k, c in enumerate(choices):
             text, ids = self.checked[k // self.n]
             lps, ranks = prompt_lps.get(k // self.n, (None, None))
-            head = (text if text is not None else reply.tokenizer.decode(ids)) if echo else ""
+            head = ""
+            if echo and tokenizer is not None:
+                head = text if text is not None else tokenizer.decode(ids)
             logprobs = None
             if with_logprobs:
                 logprobs = reply.logprobs(c.token_ids, c.logprobs, len(head), ids[-1] if echo else None)
                 if echo:
                     logprobs = reply.echoed_logprobs(ids, lps, logprobs)
-            gap = reply.gap(ids[-1], c.token_ids[0]) if echo and c.token_ids else ""
+            gap = token_gap(tokenizer, ids[-1], c.token_ids[0]) if echo and c.token_ids else ""
             choice = reply.choice(k, head + gap + c.text, logprobs, c.finish_reason, c.stop_reason)
             if self.sampling_params.prompt_logprobs is not None and lps is not None and not reply.chat:
                 choice["prompt_logprobs"] = reply.prompt_logprobs(ids, lps, ranks)

@@ -355,6 +355,15 @@ def token_text(tokenizer, t: int, prev: int | None = None) -> str:
     return both[len(head):] if both.startswith(head) else tokenizer.decode([t])
 
 
+def token_gap(tokenizer, prev: int, t: int) -> str:
+    """What token `t` reads as after `prev` beyond its own text (a completion's text is its
+    tokens' own: the space its first token takes after the prompt, for an echoed prompt)."""
+    if tokenizer is None:
+        return ""
+    alone, after = tokenizer.decode([t]), token_text(tokenizer, t, prev)
+    return after[:len(after) - len(alone)] if alone and after.endswith(alone) else ""
+
+
 def completion_logprobs(tokenizer, token_ids: list[int], lps: list[dict], offset: int,
                         prev: int | None = None) -> dict:
     prevs = [prev, *token_ids[:-1]]
@@ -405,14 +414,6 @@ class ResponseBuilder:
         if self.chat:
             return chat_logprobs(self.tokenizer, token_ids, lps, self.top_logprobs, prev)
         return completion_logprobs(self.tokenizer, token_ids, lps, offset, prev)
-
-    def gap(self, prev: int, t: int) -> str:
-        """What token `t` reads as after `prev` beyond its own text (a completion's text is its
-        tokens' own: the space its first token takes after the prompt, for an echoed prompt)."""
-        if self.tokenizer is None:
-            return ""
-        alone, after = self.tokenizer.decode([t]), token_text(self.tokenizer, t, prev)
-        return after[:len(after) - len(alone)] if alone and after.endswith(alone) else ""
 
     def echoed_logprobs(self, prompt: list[int], prompt_lps: list | None, completion: dict) -> dict:
         """A completion's logprobs (OpenAI's legacy shape) after those of its echoed prompt: the
