@@ -14,7 +14,6 @@ MAX_STOP_STRING_CHARS = 1024     # characters of one stop string
 MAX_STOP_TOKEN_IDS = 1024        # stop_token_ids of a request
 MAX_PROMPTS_PER_REQUEST = 1024   # prompts of one /v1/completions request
 MAX_PROMPT_LOGPROBS = 20        # top tokens per prompt position (vLLM's max_logprobs)
-MAX_BAD_WORD_TOKENS = 16        # tokens of one bad word (the workers keep each row's last 15 outputs)
 MAX_N = 128                      # completions of one prompt (n, best_of): each a request of its own
 MAX_MESSAGES = 4096              # messages of one chat request
 MAX_TOKEN_IDS = 1 << 20          # token ids of one prompt or /detokenize request, before the length checks

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field, fields
 from numbers import Integral, Real
 from typing import Any
 
-from distengine.limits import (MAX_BAD_WORD_TOKENS, MAX_INT, MAX_N, MAX_PROMPT_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TOKEN_IDS,
-                               bad_text)
-from distengine.step import RequestSampling
+from distengine.limits import (MAX_INT, MAX_N, MAX_PROMPT_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
+                               MAX_STOP_TOKEN_IDS, MAX_TOKEN_IDS, bad_text)
+from distengine.step import MAX_BAD_WORD_TOKENS, RequestSampling
 
 __all__ = ["SamplingParams", "SAMPLING_EPS"]
 

@@ -13,6 +13,9 @@ from dataclasses import dataclass, field, fields
 import msgpack
 
 
+MAX_BAD_WORD_TOKENS = 16  # tokens of one bad word: the workers keep each row's last 15 outputs
+
+
 @dataclass(frozen=True)
 class RequestSampling:
     """How the workers sample one request: its `SamplingParams`, checked once on the driver, in

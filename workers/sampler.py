@@ -52,8 +52,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from distengine.limits import MAX_BAD_WORD_TOKENS
-from distengine.step import RequestSampling
+from distengine.step import MAX_BAD_WORD_TOKENS, RequestSampling
 
 __all__ = ["HISTORY", "LogitAdjustments", "SamplingTensors", "history_of", "SamplerOutput", "sample", "apply_penalties", "seeded_uniform"]
 
