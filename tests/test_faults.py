@@ -53,6 +53,14 @@ def assert_serving(s: Server) -> None:
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == s.greedy
 
 
+def wait_idle(engine) -> None:
+    """Until the engine holds no request and no block (10 s at most)."""
+    deadline = time.monotonic() + 10
+    while not engine.engine.call("is_idle").result(timeout=10):
+        assert time.monotonic() < deadline, "blocks still held after the aborts"
+        time.sleep(0.1)
+
+
 # ---- one bounded contract -------------------------------------------------------------------------
 BAD_BODIES = [
     ("top_k", {"top_k": 2 ** 64}), ("top_k", {"top_k": 2 ** 31}), ("max_tokens", {"max_tokens": 2 ** 40}),
@@ -189,10 +197,7 @@ def test_abort_ends_the_readers_stream(model):  # noqa: F811
         streams = asyncio.run(storm(engine))
         assert all(outs[-1].finished and outs[-1].outputs[0].finish_reason in ("abort", "length") for outs in streams)
         assert any(outs[-1].outputs[0].finish_reason == "abort" for outs in streams)
-        deadline = time.monotonic() + 10
-        while not engine.engine.call("is_idle").result(timeout=10):
-            assert time.monotonic() < deadline, "blocks still held after the aborts"
-            time.sleep(0.1)
+        wait_idle(engine)
     finally:
         engine.shutdown()
 
@@ -226,10 +231,7 @@ def test_aborted_forks_and_beams_leave_no_block(model):  # noqa: F811
     try:
         streams = asyncio.run(storm(engine))
         assert all(outs[-1].finished for outs in streams if outs)
-        deadline = time.monotonic() + 10
-        while not engine.engine.call("is_idle").result(timeout=10):
-            assert time.monotonic() < deadline, "blocks still held after the aborts"
-            time.sleep(0.1)
+        wait_idle(engine)
     finally:
         engine.shutdown()
 
