@@ -317,7 +317,7 @@ class Scheduler:
                           sampling, req.num_output_tokens,
                           list(req.prompt_token_ids) if sampling.reads_prompt or sampling.prompt_logprobs is not None
                           else [],
-                          req.output_token_ids if sampling.penalised or sampling.bad_words else [])
+                          req.output_token_ids if sampling.penalised or sampling.reads_outputs else [])
 
     def update(self, step_id: int, output: StepOutput | None) -> list[RequestUpdate]:
         """Apply a step's sampled tokens (one per request that sampled, in plan order): append,

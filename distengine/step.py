@@ -46,6 +46,11 @@ class RequestSampling:
         object.__setattr__(self, "bad_words", tuple(tuple(w) for w in self.bad_words))
 
     @property
+    def reads_outputs(self) -> bool:
+        """A bad word of several tokens: the workers keep the row's last outputs on the device."""
+        return any(len(w) > 1 for w in self.bad_words)
+
+    @property
     def adjusts_logits(self) -> bool:
         return bool(self.logit_bias or self.allowed_token_ids or (self.min_tokens and self.stop_ids) or self.bad_words)
 

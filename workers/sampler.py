@@ -54,7 +54,8 @@ from torch import Tensor
 
 from distengine.step import MAX_BAD_WORD_TOKENS, RequestSampling
 
-__all__ = ["HISTORY", "LogitAdjustments", "SamplingTensors", "history_of", "SamplerOutput", "sample", "apply_penalties", "seeded_uniform"]
+__all__ = ["HISTORY", "LogitAdjustments", "SamplingTensors", "ring_slots", "SamplerOutput", "sample", "apply_penalties",
+           "seeded_uniform"]
 
 _MASK64 = (1 << 64) - 1
 HISTORY = MAX_BAD_WORD_TOKENS - 1  # outputs a row's ring keeps: a bad word's tokens before its last
@@ -265,17 +266,21 @@ class SamplingTensors:
             output_counts=counts(output_token_ids) if flags["any_penalties"] else None,
             generator=generator, adjust=LogitAdjustments.build(
                 [(i, r) for i, r in enumerate(params) if r.adjusts_logits], dev,
-                history_of(output_token_ids, dev) if any(len(w) > 1 for r in params for w in r.bad_words) else None),
+                _rings(output_token_ids, dev) if any(r.reads_outputs for r in params) else None),
             **flags)
 
 
-def history_of(output_token_ids: list[list[int]], device) -> Tensor:
-    """[N, HISTORY]: each row's last outputs in its ring (output i at i % HISTORY), as the
-    workers' persistent rows keep them."""
+def ring_slots(tokens: list[int]) -> list[tuple[int, int]]:
+    """(slot, token) of a row's last outputs in its ring of HISTORY: output i at i % HISTORY."""
+    return [(i % HISTORY, tokens[i]) for i in range(max(0, len(tokens) - HISTORY), len(tokens))]
+
+
+def _rings(output_token_ids: list[list[int]], device) -> Tensor:
+    """[N, HISTORY]: each row's ring, as the workers' persistent rows keep them."""
     ring = torch.zeros((len(output_token_ids), HISTORY), dtype=torch.int64)
     for row, tokens in enumerate(output_token_ids):
-        for i in range(max(0, len(tokens) - HISTORY), len(tokens)):
-            ring[row, i % HISTORY] = tokens[i]
+        for slot, token in ring_slots(tokens):
+            ring[row, slot] = token
     return ring.to(device)
 
 

@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from distengine.step import NewRequest, RequestSampling
-from workers.sampler import HISTORY, LogitAdjustments, RowFlags, SamplingTensors, seed_bits, top_k_or_vocab
+from workers.sampler import (HISTORY, LogitAdjustments, RowFlags, SamplingTensors, ring_slots, seed_bits,
+                             top_k_or_vocab)
 from workers.staging import Section, Staging
 
 # The per-row tensors staged as float32 and as int64, each a column of its section: one list for
@@ -82,8 +83,8 @@ class SamplingState:
 
         staged = StagedRows(st.put([row for row, _ in new]), st.put([f32(r.sampling) for _, r in new], np.float32),
                             st.put([i64(r) for _, r in new], np.int64))
-        ring = [(row, i % HISTORY, r.output_token_ids[i]) for row, r in new if r.sampling.bad_words
-                for i in range(max(0, len(r.output_token_ids) - HISTORY), len(r.output_token_ids))]
+        ring = [(row, slot, token) for row, r in new if r.sampling.reads_outputs
+                for slot, token in ring_slots(r.output_token_ids)]
         if ring:
             staged.history = st.put(np.asarray(ring, dtype=np.int32).T.copy())
         # Rows without penalties keep a former occupant's counts: their penalty values (1 and 0)
@@ -139,8 +140,8 @@ class SamplingState:
         adjust = None
         if adjusting.size:
             records = [(int(k), self._records[int(rows_np[k])]) for k in adjusting]
-            words = any(len(w) > 1 for _, r in records for w in r.bad_words)
-            adjust = LogitAdjustments.build(records, self.device, self.history[rows] if words else None)
+            reads = any(r.reads_outputs for _, r in records)
+            adjust = LogitAdjustments.build(records, self.device, self.history[rows] if reads else None)
         return SamplingTensors(
             temperature=take(f["temperature"], not flags["all_greedy"]), top_k=take(i["top_k"], flags["any_top_k"]),
             top_p=take(f["top_p"], flags["any_top_p"]), min_p=take(f["min_p"], flags["any_min_p"]),
