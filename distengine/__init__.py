@@ -5,16 +5,16 @@ cache plan, `distengine kv-plan`) do not pull in torch, transformers and Ray.
 """
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 
 
 def __getattr__(name: str):
     if name == "LLM":
         from distengine.llm import LLM
         return LLM
-    if name == "SamplingParams":
-        from distengine.sampling_params import SamplingParams
-        return SamplingParams
+    if name in ("SamplingParams", "StructuredOutputsParams"):
+        from distengine import sampling_params
+        return getattr(sampling_params, name)
     if name in ("RequestOutput", "CompletionOutput"):
         from distengine import outputs
         return getattr(outputs, name)

@@ -14,12 +14,13 @@ from dataclasses import dataclass
 
 from distengine.config import EngineConfig
 from distengine.executor import Executor, create_executor
-from distengine.hf_config import read_model_config, text_config
+from distengine.hf_config import load_tokenizer_and_eos, read_model_config, text_config
 from distengine.interrupts import interrupts_held
 from distengine.kv_cache.plan import KVCachePlan
 from distengine.kv_cache.sizing import engine_plan, num_blocks
 from distengine.scheduler import EngineRequest, RequestUpdate, Scheduler, SchedulerStats
 from distengine.step import StepEncodingError
+from distengine.structured_outputs import GrammarCompiler
 from distengine.worker_info import DeviceInfo, MemoryProfile
 
 
@@ -78,9 +79,18 @@ class EngineCore:
         self.scheduler = Scheduler(info.plan, info.num_blocks, info.config.max_num_seqs,
                                    info.config.max_num_batched_tokens, info.config.enable_prefix_caching)
         self.step_log: list[StepRecord] | None = None  # benchmarks set a list here
+        self._grammars: GrammarCompiler | None = None  # structured outputs, from the first request that asks
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
+        """A request with structured outputs gets its matcher here, where the scheduler runs (a
+        spec the library cannot compile against the tokenizer is a ValueError naming it)."""
+        spec = req.sampling.structured_outputs
+        if spec is not None:
+            if self._grammars is None:
+                tokenizer, eos = load_tokenizer_and_eos(self.config)
+                self._grammars = GrammarCompiler(tokenizer, self.info.vocab_size, eos)
+            req.grammar = self._grammars.matcher(spec, req.sampling.stop_token_ids)
         self.scheduler.add_request(req)
 
     def abort(self, req_ids) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from numbers import Integral
 
+from distengine import structured_outputs
 from distengine.limits import MAX_TOKEN_IDS
 from distengine.sampling_params import SamplingParams
 
@@ -143,6 +144,13 @@ class InputProcessor:
             raise ValueError(f"{field}.{e}") from None
         for i, ids in enumerate(sp.bad_words_token_ids or ()):
             self.token_ids(ids, f"{field}.bad_words (its tokens, word {i})")
+        if sp.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError(f"{field}.structured_outputs needs the model's tokenizer (this model has none)")
+            try:
+                structured_outputs.check(sp.structured_outputs)
+            except ValueError as e:
+                raise ValueError(f"{field}.{e}") from None
         if sp.logprobs is not None and sp.logprobs > self.vocab_size:
             raise ValueError(f"{field}.logprobs = {sp.logprobs} exceeds the vocabulary ({self.vocab_size}); "
                              f"-1 asks for all of it")

@@ -13,6 +13,7 @@ Normalisations (as vLLM's ``__post_init__``):
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field, fields
 from numbers import Integral, Real
@@ -22,7 +23,7 @@ from distengine.limits import (MAX_INT, MAX_N, MAX_PROMPT_LOGPROBS, MAX_STOP_STR
                                MAX_STOP_TOKEN_IDS, MAX_TOKEN_IDS, bad_text)
 from distengine.step import MAX_BAD_WORD_TOKENS, RequestSampling
 
-__all__ = ["SamplingParams", "SAMPLING_EPS"]
+__all__ = ["SamplingParams", "StructuredOutputsParams", "SAMPLING_EPS"]
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
 
@@ -45,6 +46,49 @@ def _finite(v: Real) -> bool:
         return math.isfinite(v)
     except OverflowError:
         return False
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What the output must match (vLLM's fields; exactly one set): a JSON schema (a dict or its
+    JSON text), a regular expression, one of a list of strings, an EBNF grammar (xgrammar's
+    dialect), or any JSON object (`json_object`). The engine compiles it against the model's
+    tokenizer when the request enters (`distengine.structured_outputs`)."""
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object must be a bool, got {self.json_object!r:.40}.")
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError("structured_outputs: exactly one of json, regex, choice, grammar, json_object must be "
+                             f"set, got {', '.join(given) or 'none'}.")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (a dict or its JSON text), got "
+                             f"{type(self.json).__name__}.")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v or bad_text(v)):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {v!r:.80}.")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple)) or not self.choice \
+                    or not all(isinstance(c, str) and c and not bad_text(c) for c in self.choice):
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, got "
+                                 f"{self.choice!r:.80}.")
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        """The one field set."""
+        if self.json_object:
+            return "json_object"
+        return next(name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None)
 
 
 @dataclass
@@ -78,6 +122,8 @@ class SamplingParams:
     allowed_token_ids: when given (not empty), only these tokens can be sampled.
     bad_words: words never generated (vLLM's rule: each word's tokens, with and without a leading
         space; a one-token word is barred always, a longer one's last token after the others).
+    structured_outputs: the output follows a JSON schema, a regex, a choice or a grammar
+        (`StructuredOutputsParams`); not with ignore_eos, min_tokens or beam search.
     """
     n: int = 1
     best_of: int | None = None
@@ -101,6 +147,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # bad_words as token ids: the front end's tokenizer fills it (`tokenize_bad_words`).
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
 
@@ -306,6 +353,17 @@ class SamplingParams:
                        for w in self.bad_words):
                 raise ValueError(f"bad_words must hold non-blank strings of at most {MAX_STOP_STRING_CHARS} "
                                  f"characters (valid text), got {ascii(self.bad_words):.200}.")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                                 f"{type(self.structured_outputs).__name__}.")
+            # The grammar decides where the output may end: EOS must stay its to allow.
+            if self.ignore_eos is True:
+                raise ValueError("ignore_eos cannot be used with structured_outputs (the grammar allows EOS only "
+                                 "where the output may end).")
+            if _is_int(self.min_tokens) and self.min_tokens > 0:
+                raise ValueError("min_tokens cannot be used with structured_outputs (the grammar allows EOS only "
+                                 "where the output may end).")
         # flags
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
@@ -378,5 +436,7 @@ class SamplingParams:
     def clone(self) -> "SamplingParams":
         p = SamplingParams(**{f.name: (list(v) if isinstance(v := getattr(self, f.name), list)
                                        else dict(v) if isinstance(v, dict) else v) for f in fields(self) if f.init})
+        if self.structured_outputs is not None:
+            p.structured_outputs = copy.deepcopy(self.structured_outputs)
         p.bad_words_token_ids = self.bad_words_token_ids
         return p

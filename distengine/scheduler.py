@@ -13,7 +13,9 @@ placeholder until its value arrives (`Request.num_output_placeholders`). The nex
 computes a placeholder's position: the workers feed it the token they sampled, which never makes
 the round trip through the host. A request that will surely end once its placeholders arrive
 (max_tokens, max_model_len) is not scheduled again, and a preempted request is readmitted only
-once its last token is known. `update` applies a step's sampled tokens and the stop rules (one
+once its last token is known. A request with structured outputs is not scheduled while a token of
+it is in flight: the tokens its grammar allows next depend on that one (it samples every other
+step when overlapped; the others keep the overlap). `update` applies a step's sampled tokens and the stop rules (one
 place for when a request stops); results for a request that finished meanwhile are dropped.
 """
 from __future__ import annotations
@@ -28,6 +30,7 @@ from distengine.kv_cache.plan import KVCachePlan
 from distengine.request import Request
 from distengine.sampling_params import SamplingParams
 from distengine.step import NewRequest, ScheduledRequest, StepOutput, StepPlan
+from distengine.structured_outputs import RequestGrammar
 
 
 class Status(enum.Enum):
@@ -45,6 +48,7 @@ class EngineRequest(Request):
     stop_reason: int | str | None = None
     num_cached_tokens: int = -1  # prefix-cache hit at the first admission
     in_runner: bool = False  # the workers hold its state (they drop it on preemption)
+    grammar: RequestGrammar | None = None  # structured outputs: its matcher (the engine core sets it)
 
     @property
     def num_output_tokens(self) -> int:
@@ -139,6 +143,7 @@ class Scheduler:
         elif req.status == Status.WAITING:
             self.waiting.remove(req)
         self.manager.free(req)
+        req.grammar = None
         req.status, req.finish_reason, req.stop_reason = Status.FINISHED, reason, stop_reason
         if req.in_runner:
             self.finished_since_last_step.append(req.request_id)
@@ -198,6 +203,8 @@ class Scheduler:
         """Tokens of `req` not yet scheduled; 0 when the tokens in flight will end it anyway."""
         pending = req.num_output_placeholders
         if pending:
+            if req.grammar is not None:
+                return 0  # its next mask depends on the token in flight
             sp = req.sampling
             if sp.max_tokens is not None and req.num_output_tokens + pending >= sp.max_tokens:
                 return 0
@@ -302,7 +309,8 @@ class Scheduler:
                 new_blocks = [list(ids) for ids in appended] if any(appended) else []
             sample = start + n == req.num_tokens + req.num_output_placeholders
             plan.scheduled.append(ScheduledRequest(req.request_id, start, n, req.all_token_ids[start:start + n],
-                                                   new_blocks, sample))
+                                                   new_blocks, sample,
+                                                   req.grammar.next_bitmask() if sample and req.grammar else None))
             req.num_computed_tokens = start + n
             if sample:
                 req.num_output_placeholders += 1
@@ -334,12 +342,18 @@ class Scheduler:
             if req.status == Status.FINISHED:
                 continue  # finished or aborted while this step ran: its token is dropped
             req.num_output_placeholders -= 1
+            if req.grammar is not None and not req.grammar.accept(token):
+                self.fail(req, f"structured_outputs: the grammar does not allow token {token} after "
+                               f"{req.grammar.num_accepted} output tokens")
+                continue
             req.append_output_token(token)
             update = RequestUpdate(req.request_id, token, _logprobs(req, output, k, token),
                                    num_cached_tokens=max(req.num_cached_tokens, 0))
             if output.prompt_logprobs and req.request_id in output.prompt_logprobs:
                 update.prompt_logprobs, update.prompt_ranks = _prompt_logprobs(output.prompt_logprobs[req.request_id])
             reason = self._stop_reason(req, token)
+            if reason is None and req.grammar is not None and req.grammar.terminated:
+                reason = "stop", None
             if reason is not None:
                 self._finish(req, *reason)
                 update.finish_reason, update.stop_reason = req.finish_reason, req.stop_reason

@@ -93,6 +93,10 @@ class ScheduledRequest:
     # Block ids appended to each group's table; [] when nothing was appended in any group.
     new_block_ids: list[list[int]]
     sample: bool                 # the step reaches the request's end: sample its next token
+    # Structured outputs: the tokens its grammar allows now, a bit per token (little-endian int32
+    # words of 32 tokens each, xgrammar's layout, covering the model's vocabulary); only on a row
+    # that samples.
+    token_bitmask: bytes | None = None
 
     @property
     def uses_device_token(self) -> bool:

@@ -60,6 +60,7 @@ class StagedStep:
     chunk_entry: Section | None = None
     appends: StagedAppends | None = None
     new_rows: StagedRows | None = None
+    token_bitmask: Section | None = None  # [sampling rows, words]: structured outputs' allowed tokens
 
 
 @dataclass
@@ -134,6 +135,7 @@ class InputBatch:
         sample_idx: list[int] = []
         sample_seq: list[int] = []
         sample_ids: list[str] = []
+        masks: list[tuple[int, bytes]] = []  # (sampling row's index, its grammar's bitmask)
         t = 0
         for i, s in enumerate(scheduled):
             row = self.row_of.get(s.req_id)
@@ -159,6 +161,8 @@ class InputBatch:
             if s.new_block_ids:
                 self.tables.append(s.req_id, row, s.new_block_ids)
             if s.sample:
+                if s.token_bitmask is not None:
+                    masks.append((len(sample_seq), s.token_bitmask))
                 sample_idx.append(t + n - 1)
                 sample_seq.append(i)
                 sample_ids.append(s.req_id)
@@ -178,7 +182,9 @@ class InputBatch:
         P = graph_size or S  # entries of the fixed region that the step reads
 
         st, R4 = self.staging, self.R4
-        st.begin(3 * R4 + 8 * S + 5 * T + 64 + 2 * self.tables.num_queued + self.sampling.num_queued_words)
+        words = -(-self.vocab_size // 32)
+        st.begin(3 * R4 + 8 * S + 5 * T + 64 + 2 * self.tables.num_queued + self.sampling.num_queued_words
+                 + (len(sample_seq) * words if masks else 0))
         fixed = st.put(np.zeros(3 * R4, dtype=np.int32))
         region = st.np[st.k][:3 * R4].reshape(3, R4)
         region[0, :S], region[1, :S], region[2, :S] = rows, num_computed, seq_lens
@@ -205,6 +211,8 @@ class InputBatch:
                 staged.graph_token_ids = st.put(host_ids)
             if len(sample_seq) != S:
                 staged.sample_seq = st.put(sample_seq)
+        if masks:
+            staged.token_bitmask = st.put(self._bitmask(masks, len(sample_seq), words, sample_ids))
         staged.appends = self.tables.stage(st)
         staged.new_rows = self.sampling.stage(st)
         st.commit()
@@ -214,6 +222,17 @@ class InputBatch:
                 self.tables.check(s.req_id, row, s.num_computed_tokens, s.num_new_tokens)
         return StepInputs(S, T, int(qlens.max()) if S else 0, int(seq_lens.max()) if S else 0, graph_size,
                           sample_ids, sample_rows, staged)
+
+    @staticmethod
+    def _bitmask(masks: list[tuple[int, bytes]], num_rows: int, words: int, req_ids: list[str]) -> np.ndarray:
+        """[sampling rows, words] int32: each grammar row's bitmask, every token allowed elsewhere."""
+        out = np.full((num_rows, words), -1, dtype=np.int32)
+        for k, mask in masks:
+            if len(mask) != 4 * words:
+                raise ValueError(f"request {req_ids[k]}: a token bitmask of {len(mask)} bytes; the vocabulary "
+                                 f"takes {4 * words}")
+            out[k] = np.frombuffer(mask, dtype="<i4")
+        return out
 
     def _apply(self, staged: StagedStep) -> None:
         st = self.staging
@@ -287,7 +306,10 @@ class InputBatch:
     # ---- sampling --------------------------------------------------------------------------
     def sampling_tensors(self, step: StepInputs, generator: torch.Generator | None) -> SamplingTensors:
         rows = self.staging.view(step.staged.sample_rows).long()
-        return self.sampling.tensors(rows, step.sample_rows_np, generator)
+        t = self.sampling.tensors(rows, step.sample_rows_np, generator)
+        if step.staged.token_bitmask is not None:
+            t.token_bitmask = self.staging.view(step.staged.token_bitmask).view(len(step.sample_rows_np), -1)
+        return t
 
     def record_sampled(self, step: StepInputs, tokens: torch.Tensor, penalties: bool, history: bool = False) -> None:
         """The sampled tokens become the rows' last tokens (the next decode's inputs)."""

@@ -183,8 +183,9 @@ class ModelRunner:
                                                repetition_penalty=1.1, presence_penalty=0.1, frequency_penalty=0.1,
                                                logprobs=20)
                 gen = torch.Generator(self.device).manual_seed(0)  # the engine's generator stays untouched
+                every_token = torch.full((r, -(-self.vocab_size // 32)), -1, dtype=torch.int32)  # a grammar's mask
                 sample(logits, SamplingTensors.build([every_option] * r, [[]] * r, [[]] * r, self.vocab_size,
-                                                     self.device, gen))
+                                                     self.device, gen, every_token))
                 for module in self.model.modules():  # kernels whose variants follow the batch: all of them now
                     compile_variants = getattr(module, "compile_variants", None)
                     if compile_variants is not None:

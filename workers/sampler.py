@@ -2,7 +2,9 @@
 
 Pipeline of `sample` (row = one request sampled this step):
 
-0. Logit adjustments (`LogitAdjustments`, only for rows that ask; vLLM's order, before the
+0. Structured outputs (`token_bitmask`, rows with a grammar): every token whose bit is clear is
+   barred (-inf), before anything else (as vLLM applies the grammar's bitmask before its sampler);
+   the bits are unpacked on the device. Then the logit adjustments (`LogitAdjustments`, only for rows that ask; vLLM's order, before the
    penalties): `allowed_token_ids` bars every other token (-inf), `logit_bias` adds each bias,
    while a row has fewer than `min_tokens` outputs its stop tokens are barred, and a bad word's
    last token is barred when the row's last outputs are the word's other tokens (a one-token word
@@ -55,7 +57,7 @@ from torch import Tensor
 from distengine.step import MAX_BAD_WORD_TOKENS, RequestSampling
 
 __all__ = ["HISTORY", "LogitAdjustments", "SamplingTensors", "ring_slots", "SamplerOutput", "sample", "apply_penalties",
-           "seeded_uniform"]
+           "apply_token_bitmask", "seeded_uniform"]
 
 _MASK64 = (1 << 64) - 1
 HISTORY = MAX_BAD_WORD_TOKENS - 1  # outputs a row's ring keeps: a bad word's tokens before its last
@@ -220,11 +222,13 @@ class SamplingTensors:
     all_seeded: bool = False     # every non-greedy row is seeded: skip torch.rand
     generator: torch.Generator | None = None  # for unseeded rows (every TP rank draws the same)
     adjust: LogitAdjustments | None = None  # (output_token_counts is filled when given)
+    # [N, ceil(V / 32)] int32: bit j of word w allows token 32 w + j (rows without a grammar: all set)
+    token_bitmask: Tensor | None = None
 
     @classmethod
     def build(cls, params: list[RequestSampling], prompt_token_ids: list[list[int]],
               output_token_ids: list[list[int]], vocab_size: int, device,
-              generator: torch.Generator | None = None) -> "SamplingTensors":
+              generator: torch.Generator | None = None, token_bitmask: Tensor | None = None) -> "SamplingTensors":
         """Pack per-request records (checked on the driver: `SamplingParams.for_workers`) and
         token lists; what the profiling pass and the tests sample with."""
         n = len(params)
@@ -264,7 +268,8 @@ class SamplingTensors:
             output_token_counts=torch.tensor([len(o) for o in output_token_ids], dtype=torch.int64).to(dev),
             prompt_mask=counts(prompt_token_ids).gt(0) if any_rep else None,
             output_counts=counts(output_token_ids) if flags["any_penalties"] else None,
-            generator=generator, adjust=LogitAdjustments.build(
+            generator=generator, token_bitmask=None if token_bitmask is None else token_bitmask.to(dev),
+            adjust=LogitAdjustments.build(
                 [(i, r) for i, r in enumerate(params) if r.adjusts_logits], dev,
                 _rings(output_token_ids, dev) if any(r.reads_outputs for r in params) else None),
             **flags)
@@ -343,6 +348,14 @@ class SamplerOutput:
     top_token_ids: Tensor | None = None  # [N, K] int64
 
 
+def apply_token_bitmask(x: Tensor, bitmask: Tensor) -> None:
+    """In place on float32 logits [N, V]: -inf where the row's bit is clear."""
+    N, V = x.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=x.device)
+    allowed = ((bitmask.unsqueeze(2) >> shifts) & 1).view(N, -1)[:, :V]
+    x.masked_fill_(allowed == 0, float("-inf"))
+
+
 def apply_penalties(logits: Tensor, t: SamplingTensors) -> Tensor:
     """Repetition, frequency and presence penalties (vLLM semantics) -> new float32 [N, V]."""
     x = logits.to(torch.float32, copy=True)
@@ -407,9 +420,12 @@ def sample(logits: Tensor, t: SamplingTensors) -> SamplerOutput:
     """Sample one token per row of ``logits`` [N, V] (any float dtype; V must equal the
     ``vocab_size`` given to `SamplingTensors.build`, i.e. slice off lm_head padding first).
     The input tensor is not modified.  No host synchronisation."""
-    if t.adjust is not None:
+    if t.token_bitmask is not None or t.adjust is not None:
         x = logits.to(torch.float32, copy=True)
-        t.adjust.apply(x, t.output_token_counts)
+        if t.token_bitmask is not None:
+            apply_token_bitmask(x, t.token_bitmask)
+        if t.adjust is not None:
+            t.adjust.apply(x, t.output_token_counts)
         if t.any_penalties:
             x = apply_penalties(x, t)
     elif t.any_penalties:
