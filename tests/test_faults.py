@@ -75,7 +75,8 @@ BAD_BODIES = [
     ("echo", {"echo": True, "stream": True}), ("n", {"use_beam_search": True, "n": 65}), ("use_beam_search", {"use_beam_search": True, "stream": True}),
     ("top_p", {"use_beam_search": True, "top_p": 0.5}),
     ("spaces_between_special_tokens", {"spaces_between_special_tokens": False}), ("n", {"n": 129}), ("best_of", {"n": 3, "best_of": 2}),
-    ("bad_words", {"bad_words": [""]}), ("bad_words", {"bad_words": "water"}), ("guided_json", {"guided_json": {"type": "object"}}),
+    ("bad_words", {"bad_words": [""]}), ("bad_words", {"bad_words": "water"}), ("guided_decoding_backend", {"guided_decoding_backend": "outlines"}),
+    ("structured_outputs.structural_tag", {"structured_outputs": {"structural_tag": "{}"}}),
 ]
 
 

@@ -2,9 +2,10 @@
 
 In: the request bodies (pydantic, as vLLM's server) and their translation to the engine's prompts
 and `SamplingParams`. Fields OpenAI defines and vLLM's extras (top_k, min_p, repetition_penalty,
-ignore_eos, min_tokens, stop_token_ids, logit_bias, allowed_token_ids, ...) are read; a field OpenAI or vLLM defines that we do not
-implement is refused by name (`NOT_IMPLEMENTED`), never ignored; other unknown fields are ignored,
-as vLLM does; a known field of the wrong type is a 400 naming it. Token ids must be integers (no
+ignore_eos, min_tokens, stop_token_ids, logit_bias, allowed_token_ids, structured outputs, ...) are
+read; a field OpenAI or vLLM defines that we do not implement is refused by name
+(`NOT_IMPLEMENTED`), never ignored; other unknown fields are ignored, as vLLM does; a known field
+of the wrong type is a 400 naming it. Token ids must be integers (no
 strings, floats or bools); every string must be valid UTF-8 and every list is bounded
 (`distengine.limits`).
 
@@ -24,6 +25,7 @@ from distengine.generation_config import SamplingDefaults
 from distengine.inputs import check_message_content
 from distengine.limits import MAX_MESSAGES, MAX_PROMPTS_PER_REQUEST, MAX_TOKEN_IDS, bad_text
 from distengine.sampling_params import SamplingParams
+from launch.serve import structured_outputs
 
 # ---- request bodies ----------------------------------------------------------------------------
 
@@ -34,17 +36,18 @@ BEAM_SEARCH_UNUSED = {"top_p": (None, 1.0), "top_k": (None, 0, -1), "min_p": (No
                       "repetition_penalty": (None, 1.0), "stop": (None, [], ""), "stop_token_ids": (None, []),
                       "min_tokens": (0,), "logit_bias": (None, {}), "allowed_token_ids": (None,),
                       "best_of": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0),
-                      "bad_words": (None, []), "prompt_logprobs": (None,), "echo": (None, False)}
+                      "bad_words": (None, []), "prompt_logprobs": (None,), "echo": (None, False),
+                      "response_format": (None, {"type": "text"}), "structured_outputs": (None,),
+                      "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+                      "guided_grammar": (None,)}
 
 
 # Fields of OpenAI's or vLLM's API that we do not implement, with the values that ask for nothing
 # (a client may send those): anything else is refused with the field named.
-NOT_IMPLEMENTED = {"guided_json": (None,), "guided_regex": (None,),
-                   "guided_choice": (None,), "guided_grammar": (None,), "guided_decoding_backend": (None,),
-                   "structured_outputs": (None,), "truncate_prompt_tokens": (None,),
+NOT_IMPLEMENTED = {"truncate_prompt_tokens": (None,),
                    "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
                    "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
-                   "suffix": (None, ""), "response_format": (None, {"type": "text"}),
+                   "suffix": (None, ""),
                    "spaces_between_special_tokens": (None, True), "continue_final_message": (None, False)}
 
 
@@ -118,6 +121,14 @@ class _Sampling(Body):
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:ID"
     use_beam_search: bool = False  # vLLM's: n beams
     length_penalty: float = 1.0    # (beam search's)
+    # Structured outputs (`launch.serve.structured_outputs`): OpenAI's, vLLM's, vLLM's older names
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
     def unsupported(self) -> list[tuple[str, str]]:
         """(field, why) for what we cannot serve, checked before any work."""
@@ -179,7 +190,8 @@ class _Sampling(Body):
                   skip_special_tokens=self.skip_special_tokens,
                   include_stop_str_in_output=self.include_stop_str_in_output,
                   logit_bias=self.token_biases(), allowed_token_ids=self.allowed_token_ids,
-                  bad_words=self.bad_words, prompt_logprobs=self.wanted_prompt_logprobs(logprobs))
+                  bad_words=self.bad_words, prompt_logprobs=self.wanted_prompt_logprobs(logprobs),
+                  structured_outputs=structured_outputs.from_request(self))
         for name, neutral in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0),
                               ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
             value = getattr(self, name)
@@ -251,7 +263,6 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list | None = None
-    response_format: dict | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict | None = None  # vLLM's: more variables for the template (enable_thinking, ...)
 
@@ -261,8 +272,6 @@ class ChatCompletionRequest(_Sampling):
             out.append(("echo", "echo on chat completions is not supported"))
         if self.tools:
             out.append(("tools", "tool calls are not supported"))
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            out.append(("response_format", "structured output is not supported"))
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
             out.append(("top_logprobs", f"top_logprobs must be in [0, 20], got {self.top_logprobs}"))
         if self.top_logprobs and not self.logprobs:  # vLLM's rule: it would be ignored silently
