@@ -178,3 +178,23 @@ def test_sampler_bars_exactly_the_masked_tokens(kind):
             ref = torch.log_softmax(logits.masked_fill(~allowed, float("-inf")), -1)
             assert torch.allclose(out.logprobs, ref.gather(1, out.token_ids[:, None])[:, 0])
     assert out.token_ids[3] == 1 or kind != "greedy"  # the unmasked row keeps its favourite
+
+
+def test_bitmask_bars_the_padded_vocabulary_and_travels_exactly(folder):
+    from transformers import AutoTokenizer
+
+    from distengine.step import ScheduledRequest, StepPlan
+    from distengine.structured_outputs import GrammarCompiler
+    tok = AutoTokenizer.from_pretrained(folder)
+    vocab = 512  # the model's, padded past the tokenizer's
+    assert len(tok) < vocab
+    grammars = GrammarCompiler(tok, vocab, frozenset({tok.eos_token_id}))
+    g = grammars.matcher(so(regex=r".+"), [])
+    mask = g.next_bitmask()
+    bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")
+    assert len(bits) == vocab and not bits[len(tok):].any() and bits[:len(tok)].sum() > 200
+    assert not bits[tok.eos_token_id]  # ".+" may not end before its first character
+    assert grammars.compile(so(regex=r".+")) is grammars.compile(so(regex=r".+"))  # cached by spec
+    plan = StepPlan(3, scheduled=[ScheduledRequest("a", 0, 2, [5, 6], [], True, mask),
+                                  ScheduledRequest("b", 0, 1, [7], [], True)])
+    assert StepPlan.decode(plan.encode()) == plan
