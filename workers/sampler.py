@@ -351,8 +351,10 @@ class SamplerOutput:
 def apply_token_bitmask(x: Tensor, bitmask: Tensor) -> None:
     """In place on float32 logits [N, V]: -inf where the row's bit is clear."""
     N, V = x.shape
-    shifts = torch.arange(32, dtype=torch.int32, device=x.device)
-    allowed = ((bitmask.unsqueeze(2) >> shifts) & 1).view(N, -1)[:, :V]
+    # As bytes (little-endian words: token 8 k + j is bit j of byte k), so the unpacked bits take
+    # one byte per token, not four.
+    shifts = torch.arange(8, dtype=torch.uint8, device=x.device)
+    allowed = ((bitmask.contiguous().view(torch.uint8).unsqueeze(2) >> shifts) & 1).view(N, -1)[:, :V]
     x.masked_fill_(allowed == 0, float("-inf"))
 
 

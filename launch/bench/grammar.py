@@ -1,0 +1,139 @@
+"""`python -m launch.bench.grammar`: the host's cost of structured outputs per step (CPU only).
+
+The driver fills one bitmask per request with a grammar before each step that samples it
+(`distengine.structured_outputs`), on the scheduler's thread, one request after another. This
+times that fill for a batch of requests over a synthetic vocabulary of the size of today's large
+ones (262,144 tokens: the 256 bytes, then random pieces of letters, digits, JSON punctuation and
+spaces, seeded), every request in another state of one JSON schema (each has accepted a different
+prefix of a valid document, byte by byte): with xgrammar through the engine's own matcher
+(`RequestGrammar.next_bitmask`, the bytes the step carries included), and with llguidance's matcher
+when it imports. Also the schema's compile time against that vocabulary.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from importlib.metadata import version
+import random
+import statistics
+import string
+import time
+
+SCHEMA = {"type": "object",
+          "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                         "color": {"enum": ["red", "green", "blue"]},
+                         "tags": {"type": "array", "items": {"type": "string"}}},
+          "required": ["name", "age", "color", "tags"], "additionalProperties": False}
+DOCUMENT = json.dumps({"name": "Ada Lovelace", "age": 36, "color": "green", "tags": ["math", "engines", "poetry"]})
+ALPHABET = string.ascii_letters + string.digits + '{}[]":,.-_ ' + "    "
+
+
+def synthetic_vocab(size: int, seed: int = 0) -> list[bytes]:
+    """The 256 single bytes, unique random pieces, and an EOS token last."""
+    rng = random.Random(seed)
+    tokens = [bytes([b]) for b in range(256)]
+    seen = set(tokens)
+    while len(tokens) < size - 1:
+        t = "".join(rng.choice(ALPHABET) for _ in range(rng.randint(2, 8))).encode()
+        if t not in seen:
+            seen.add(t)
+            tokens.append(t)
+    return tokens + [b"<eos>"]
+
+
+def prefixes(requests: int) -> list[bytes]:
+    """Each request's accepted output: a different prefix of the document."""
+    data = DOCUMENT.encode()
+    return [data[:(i * 7) % len(data)] for i in range(requests)]
+
+
+def _timed(fill, repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fill()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def bench_xgrammar(vocab: list[bytes], requests: int, repeats: int) -> dict:
+    import xgrammar as xgr
+
+    from distengine.sampling_params import StructuredOutputsParams
+    from distengine.structured_outputs import RequestGrammar
+    eos = len(vocab) - 1
+    info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=len(vocab), stop_token_ids=[eos])
+    t0 = time.perf_counter()
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    compiled = compiler.compile_json_schema(json.dumps(StructuredOutputsParams(json=SCHEMA).json))
+    compile_s = time.perf_counter() - t0
+    grammars = []
+    for prefix in prefixes(requests):
+        g = RequestGrammar(xgr.GrammarMatcher(compiled, override_stop_tokens=[eos]),
+                           xgr.allocate_token_bitmask(1, len(vocab)))
+        assert all(g.accept(b) for b in prefix)  # token b is byte b
+        grammars.append(g)
+    times = _timed(lambda: [g.next_bitmask() for g in grammars], repeats)
+    return {"library": f"xgrammar {version('xgrammar')}", "compile_s": compile_s, "step_ms": [t * 1e3 for t in times]}
+
+
+def bench_llguidance(vocab: list[bytes], requests: int, repeats: int) -> dict | None:
+    try:
+        import llguidance
+        import llguidance.numpy as lln
+    except ImportError:
+        return None
+
+    class Tokens:  # what llguidance's TokenizerWrapper reads
+        eos_token_id, bos_token_id, special_token_ids = len(vocab) - 1, None, [len(vocab) - 1]
+        tokens = vocab
+
+        def __call__(self, data: bytes) -> list[int]:
+            return list(data)  # byte b is token b
+
+    tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(Tokens()))
+    grammar = llguidance.grammar_from("json_schema", json.dumps(SCHEMA))
+    t0 = time.perf_counter()
+    matchers = [llguidance.LLMatcher(tokenizer, grammar)]
+    compile_s = time.perf_counter() - t0
+    matchers += [matchers[0].deep_copy() for _ in range(requests - 1)]
+    for m, prefix in zip(matchers, prefixes(requests)):
+        assert m.consume_tokens(list(prefix)), m.get_error()
+    bitmask = lln.allocate_token_bitmask(requests, len(vocab))
+
+    def fill() -> None:
+        for i, m in enumerate(matchers):
+            lln.fill_next_token_bitmask(m, bitmask, i)
+            bitmask[i].tobytes()  # as the step carries it
+    times = _timed(fill, repeats)
+    return {"library": llguidance.get_version().split()[0].replace("@", " "),
+            "compile_s": compile_s, "step_ms": [t * 1e3 for t in times]}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--vocab-size", type=int, default=262_144)
+    p.add_argument("--requests", type=int, default=128, help="requests with a grammar in one step")
+    p.add_argument("--repeats", type=int, default=20, help="steps timed")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+def run(args) -> int:
+    vocab = synthetic_vocab(args.vocab_size)
+    results = [r for r in (bench_xgrammar(vocab, args.requests, args.repeats),
+                           bench_llguidance(vocab, args.requests, args.repeats)) if r is not None]
+    if args.json:
+        print(json.dumps(results))
+        return 0
+    print(f"bitmask fill for {args.requests} requests (one JSON schema, each in another state), "
+          f"vocabulary of {len(vocab):,} tokens, one thread; {args.repeats} steps")
+    for r in results:
+        ms = r["step_ms"]
+        print(f"  {r['library']:<18} median {statistics.median(ms):8.2f} ms/step (min {min(ms):.2f}, "
+              f"{statistics.median(ms) * 1e3 / args.requests:.0f} us/request); first compile {r['compile_s']:.2f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    raise SystemExit(run(parser.parse_args()))
