@@ -30,7 +30,12 @@ def _choice_ebnf(choices: list[str]) -> str:
 
 
 def _schema_text(spec: StructuredOutputsParams) -> str:
-    return spec.json if isinstance(spec.json, str) else json.dumps(spec.json)  # its key order is the output's
+    if isinstance(spec.json, str):
+        return spec.json
+    try:
+        return json.dumps(spec.json)  # (not sorted: its key order is the output's)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"structured_outputs.json: the schema is not JSON: {e}") from None
 
 
 def _key(spec: StructuredOutputsParams) -> tuple[str, str]:

@@ -109,9 +109,10 @@ def test_several_completions_and_a_tiny_pool(folder):
 def test_bad_specs_are_refused_by_name(llm):
     for spec, field in [(so(json={"type": "nope"}), "structured_outputs.json"),
                         (so(json="{not json"), "structured_outputs.json"),
+                        (so(json={"type": "object", "default": {1, 2}}), "structured_outputs.json"),
                         (so(regex="(ab"), "structured_outputs.regex"),
                         (so(grammar="root ::= undefined_rule"), "structured_outputs.grammar")]:
-        with pytest.raises(ValueError, match=re.escape(field) + ": xgrammar cannot compile"):
+        with pytest.raises(ValueError, match=re.escape(field) + ": (xgrammar cannot compile|the schema is not JSON)"):
             llm.generate(PROMPTS, SamplingParams(structured_outputs=spec), use_tqdm=False)
     out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=so(
         choice=["ok"])), use_tqdm=False)
@@ -198,3 +199,18 @@ def test_bitmask_bars_the_padded_vocabulary_and_travels_exactly(folder):
     plan = StepPlan(3, scheduled=[ScheduledRequest("a", 0, 2, [5, 6], [], True, mask),
                                   ScheduledRequest("b", 0, 1, [7], [], True)])
     assert StepPlan.decode(plan.encode()) == plan
+
+
+def test_an_abort_leaves_no_matcher_or_block(llm):
+    sp = SamplingParams(temperature=1.0, seed=0, max_tokens=100, structured_outputs=so(json=SCHEMA))
+    rid = llm._add(None, llm.tokenizer("x")["input_ids"], sp, [])
+    for _ in range(4):
+        llm.engine.step()
+    req = llm.scheduler.requests[rid]
+    assert req.grammar is not None and req.grammar.num_accepted == req.num_output_tokens > 0
+    llm.engine.abort([rid])
+    assert req.grammar is None
+    while llm.scheduler.has_in_flight():
+        llm.engine.step()
+    llm.output_processor.pop(rid)
+    _idle(llm)
