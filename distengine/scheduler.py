@@ -15,8 +15,9 @@ the round trip through the host. A request that will surely end once its placeho
 (max_tokens, max_model_len) is not scheduled again, and a preempted request is readmitted only
 once its last token is known. A request with structured outputs is not scheduled while a token of
 it is in flight: the tokens its grammar allows next depend on that one (it samples every other
-step when overlapped; the others keep the overlap). `update` applies a step's sampled tokens and the stop rules (one
-place for when a request stops); results for a request that finished meanwhile are dropped.
+step when overlapped; the others keep the overlap). `update` applies a step's sampled tokens and
+the stop rules (one place for when a request stops; a grammar's matcher accepts each token there);
+results for a request that finished meanwhile are dropped.
 """
 from __future__ import annotations
 
