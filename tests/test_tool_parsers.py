@@ -96,7 +96,8 @@ def test_partial_markers_are_held_back_then_released():
 def test_parallel_tool_calls_false_keeps_the_first_call():
     text = '<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": {}}</tool_call>'
     stream = ToolCallStream(tool_parser("hermes"), max_calls=1)
-    got = [c for piece in (text[:30], text[30:70], text[70:]) for c in stream.feed(piece, final=piece == text[70:]).calls]
+    pieces = (text[:30], text[30:70], text[70:])
+    got = [c for i, piece in enumerate(pieces) for c in stream.feed(piece, final=i == 2).calls]
     assert {c.index for c in got} == {0} and got[0].name == "f"
 
 
@@ -137,3 +138,26 @@ def test_unknown_parser_is_refused_by_name():
     with pytest.raises(ValueError, match=r"--tool-call-parser 'nope' is not a known parser; choose one of"):
         tool_parser("nope")
     assert {"hermes", "llama3_json", "llama4_json", "pythonic", "openai"} <= set(PARSERS)
+
+
+def test_a_requests_reading_of_its_choices():
+    """"auto" without a call answers content; the finish reason is "tool_calls" for "auto" with a
+    call and for "required" that stopped, the engine's for a named function (vLLM's rules)."""
+    from launch.serve.tool_calls import AUTO_NEEDS_FLAGS, tool_output
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    auto = tool_output("auto", tools, True, tool_parser("hermes"))
+    message, called = auto.message("just text")
+    assert message == {"role": "assistant", "content": "just text", "tool_calls": []} and not called
+    assert auto.finish_reason("length", called) == "length"
+    message, called = auto.message('<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>')
+    assert called and message["content"] is None and message["tool_calls"][0]["function"] == \
+        {"name": "f", "arguments": '{"a": 1}'}
+    assert auto.finish_reason("stop", called) == "tool_calls"
+    named = tool_output({"type": "function", "function": {"name": "f"}}, tools, True, None)
+    message, called = named.message('{"a": 1}')
+    assert message["content"] == "" and named.finish_reason("stop", called) == "stop"
+    required = tool_output("required", tools, True, None)
+    assert required.finish_reason("stop", required.message('[{"name": "f", "parameters": {}}]')[1]) == "tool_calls"
+    assert tool_output("none", tools, True, None) is None and tool_output("auto", None, True, None) is None
+    with pytest.raises(ValueError, match=AUTO_NEEDS_FLAGS):
+        tool_output("auto", tools, True, None)
