@@ -42,6 +42,15 @@ CASES = [
      "It is 4.", []),
     ("openai", '<|start|>assistant to=functions.now<|channel|>commentary json<|message|>{}<|call|>',
      None, [ToolCall("now", "{}")]),
+    ("functiongemma", "Sure.<start_function_call>call:get_weather{city:<escape>Paris, {FR}<escape>,days:3,"
+                      "opts:{metric:true,tags:[<escape>a<escape>,2]}}<end_function_call>"
+                      "<start_function_call>call:now{}<end_function_call>",
+     "Sure.", [ToolCall("get_weather", json.dumps({"city": "Paris, {FR}", "days": 3,
+                                                   "opts": {"metric": True, "tags": ["a", 2]}})),
+               ToolCall("now", "{}")]),
+    ("functiongemma", "<start_function_call>call:now{zone:<escape>UTC<escape>}",  # stopped before the end tag
+     None, [ToolCall("now", '{"zone": "UTC"}')]),
+    ("functiongemma", "No call <start here.", "No call <start here.", []),
 ]
 
 
@@ -79,6 +88,9 @@ def test_whole_and_streamed_readings_agree(case):
     ("pythonic", "[f(1, 2)]"),
     ("pythonic", "[f(x=open('a'))]"),
     ("pythonic", "[f(x=1)"),
+    ("functiongemma", "<start_function_call>call:f{x:<escape>open}<end_function_call>"),
+    ("functiongemma", "<start_function_call>f{x:1}<end_function_call>"),
+    ("functiongemma", "<start_function_call>call:f{x:1} and more"),
 ])
 def test_malformed_output_stays_content(name, text):
     out = tool_parser(name).parse(text)
@@ -137,7 +149,7 @@ def test_required_schema_is_vllms():
 def test_unknown_parser_is_refused_by_name():
     with pytest.raises(ValueError, match=r"--tool-call-parser 'nope' is not a known parser; choose one of"):
         tool_parser("nope")
-    assert {"hermes", "llama3_json", "llama4_json", "pythonic", "openai"} <= set(PARSERS)
+    assert {"hermes", "llama3_json", "llama4_json", "pythonic", "openai", "functiongemma"} <= set(PARSERS)
 
 
 def test_a_requests_reading_of_its_choices():

@@ -88,7 +88,7 @@ def add_arguments(p) -> None:
                         "generated text by --tool-call-parser")
     p.add_argument("--tool-call-parser", default=None, metavar="NAME",
                    help="the format of the model's tool calls: hermes (Qwen), llama3_json, llama4_json, pythonic, "
-                        "llama4_pythonic, openai (gpt-oss)")
+                        "llama4_pythonic, openai (gpt-oss), functiongemma")
     p.add_argument("--root-path", default="",
                    help="the path prefix of a proxy in front of the server that strips it (the ASGI root_path, "
                         "for /docs and the OpenAPI schema), like /api")

@@ -1,7 +1,7 @@
 """Tool-call parsers: the text a model generated, turned into content and tool calls, whole
 (`ToolParser.parse`) or as it streams (`ToolCallStream`), for `--tool-call-parser NAME` with
 `--enable-auto-tool-choice` (vLLM's names: hermes, llama3_json, llama4_json, pythonic,
-llama4_pythonic, openai).
+llama4_pythonic, openai, functiongemma).
 
 A parser reads one format (one module each). Streaming re-reads the text so far with
 `ToolParser.parse_prefix`, which returns only what later text cannot change (content held back
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from launch.serve.tool_parsers.base import (ParsedOutput, PartialCall, PartialOutput, StreamDelta, ToolCall,
                                             ToolCallDelta, ToolCallStream, ToolParser)
+from launch.serve.tool_parsers.functiongemma import FunctionGemmaParser
 from launch.serve.tool_parsers.hermes import HermesParser
 from launch.serve.tool_parsers.llama_json import LlamaJsonParser
 from launch.serve.tool_parsers.openai import HarmonyParser
@@ -21,7 +22,8 @@ from launch.serve.tool_parsers.pythonic import PythonicParser
 
 PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesParser, "llama3_json": LlamaJsonParser,
                                         "llama4_json": LlamaJsonParser, "pythonic": PythonicParser,
-                                        "llama4_pythonic": PythonicParser, "openai": HarmonyParser}
+                                        "llama4_pythonic": PythonicParser, "openai": HarmonyParser,
+                                        "functiongemma": FunctionGemmaParser}
 
 
 def tool_parser(name: str) -> ToolParser:
