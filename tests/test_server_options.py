@@ -184,7 +184,7 @@ BAD_OPTIONS = [  # (what, flags, message part); {name} is a file or folder of th
     ("a negative log length", ["--max-log-len", "-1"], "--max-log-len must be >= 0, got -1"),
     ("a root path without its slash", ["--root-path", "api"], "--root-path must start with '/'"),
     ("an unknown tool-call parser", ["--enable-auto-tool-choice", "--tool-call-parser", "nope"],
-     "--tool-call-parser 'nope' is not a known parser; choose one of ['hermes', 'llama3_json'"),
+     "--tool-call-parser 'nope' is not a known parser; choose one of ['functiongemma', 'hermes'"),
     ("auto tool choice without a parser", ["--enable-auto-tool-choice"],
      "--enable-auto-tool-choice requires --tool-call-parser"),
 ]
