@@ -20,9 +20,8 @@ QUESTIONS = ["what is water", "how long is a day", "who made the first call", "c
 
 def build_model(folder: str) -> None:
     """A random Gemma-3-shaped model (6 layers: 5 sliding, 1 full) and a word-level tokenizer."""
-    import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     vocab = {w: i for i, w in enumerate(["<pad>", "<eos>", "<bos>", "<unk>", "."] + sorted(set(WORDS)))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -30,10 +29,18 @@ def build_model(folder: str) -> None:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
                                    unk_token="<unk>")
     fast.save_pretrained(folder)
-    config = Gemma3TextConfig(vocab_size=len(vocab), hidden_size=128, intermediate_size=256, num_hidden_layers=6,
+    save_random_model(folder, vocab_size=len(vocab), eos_token_id=1, bos_token_id=2, pad_token_id=0)
+
+
+def save_random_model(folder: str, vocab_size: int, eos_token_id: int, bos_token_id: int, pad_token_id: int) -> None:
+    """The tiny model's weights (seeded, so the same on every build) for a tokenizer of `vocab_size` tokens."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=6,
                               num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=16,
-                              sliding_window_pattern=6, max_position_embeddings=512, eos_token_id=1,
-                              bos_token_id=2, pad_token_id=0)
+                              sliding_window_pattern=6, max_position_embeddings=512, eos_token_id=eos_token_id,
+                              bos_token_id=bos_token_id, pad_token_id=pad_token_id)
     torch.manual_seed(0)
     Gemma3ForCausalLM(config).to(torch.float32).save_pretrained(folder)
 
@@ -43,7 +50,8 @@ def default_model_dir() -> str:
     (the code above) builds a new model instead of reusing a stale one."""
     import hashlib
     import inspect
-    key = hashlib.sha256((inspect.getsource(build_model) + " ".join(WORDS)).encode()).hexdigest()[:12]
+    source = inspect.getsource(build_model) + inspect.getsource(save_random_model)
+    key = hashlib.sha256((source + " ".join(WORDS)).encode()).hexdigest()[:12]
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(cache, "distengine", f"demo-model-{key}")
 

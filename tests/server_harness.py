@@ -39,6 +39,38 @@ def build_served_model(folder: str, chat_template: str | None = TEMPLATE) -> str
     return folder
 
 
+# JSON punctuation, digits, letters and spaces, for the byte-level tokenizer's merges
+BYTE_CORPUS = ('{"name": "Ada Lovelace", "age": 36, "colors": ["red", "green", "blue"], "ok": true, "x": null}\n'
+               '[1, 2, 3.5, -4, 10, 42, 100, 2024, 0.25, 1e10] {"a": {"b": [{"c": "d"}]}, "e": false}\n'
+               "the quick brown fox jumps over the lazy dog. The Quick Brown Fox Jumps Over The Lazy Dog!\n"
+               "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ 0123456789 yes no maybe true false\n"
+               "user : assistant : system : hello world, answer in JSON please.\n")
+
+
+def build_byte_level_model(folder: str, chat_template: str | None = TEMPLATE) -> str:
+    """The demo's tiny model with a byte-level BPE tokenizer (the 256 byte symbols and a few hundred
+    merges), so any text, JSON included, can be spelled; the model's vocabulary is padded past the
+    tokenizer's, as real checkpoints often are."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from launch.demo import save_random_model
+    specials = ["<pad>", "<eos>", "<bos>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=len(specials) + 256 + 300, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([BYTE_CORPUS] * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    fast.save_pretrained(folder)
+    save_random_model(folder, vocab_size=(len(fast) + 63) // 64 * 64, eos_token_id=fast.eos_token_id,
+                      bos_token_id=fast.bos_token_id, pad_token_id=fast.pad_token_id)
+    return folder
+
+
 class Server:
     """`ca`: the certificate a server started with --ssl-certfile is trusted by (HTTPS then);
     `log`: a file for its output, to read while it runs (else a pipe, read once it has stopped)."""
