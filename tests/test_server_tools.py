@@ -146,7 +146,7 @@ def byte_server(tmp_path_factory):
     from tests.server_harness import build_byte_level_model
     folder = tmp_path_factory.mktemp("bytes")
     model = build_byte_level_model(str(folder / "model"), chat_template=TOOLS_TEMPLATE)
-    s = Server(model)
+    s = Server(model, "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     yield s
     assert s.stop() == 0
 
@@ -197,3 +197,23 @@ def test_required_calls_a_tool(byte_server, parallel):
     assert [(v["name"], v["arguments"]) for _, v in sorted(streamed.items())] == \
         [(x.function.name, x.function.arguments) for x in calls]
     assert reasons == ["tool_calls"]
+
+
+@needs_structured_outputs
+def test_auto_reads_a_call_the_model_writes(byte_server):
+    """A hermes call the output is kept to (vLLM's structured_outputs regex) comes back as a call
+    under "auto", with the text before it as content, streamed and not."""
+    c = byte_server.client
+    text = 'Now.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
+    regex = text.replace(".", "\\.").replace("{", "\\{").replace("}", "\\}")
+    common = dict(model=c.models.list().data[0].id, messages=ASK, tools=[WEATHER, NOW], max_tokens=120,
+                  extra_body={"structured_outputs": {"regex": regex}})
+    r = c.chat.completions.create(**common)
+    message = r.choices[0].message
+    assert message.content == "Now.\n" and r.choices[0].finish_reason == "tool_calls"
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in message.tool_calls] == \
+        [("get_weather", {"city": "Oslo", "days": 2})]
+    chunks = list(c.chat.completions.create(stream=True, **common))
+    streamed, reasons = _streamed_calls(chunks)
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "Now.\n"
+    assert streamed[0]["arguments"] == message.tool_calls[0].function.arguments and reasons == ["tool_calls"]

@@ -50,6 +50,10 @@ NOT_IMPLEMENTED = {"guided_json": (None,), "guided_regex": (None,),
                    "spaces_between_special_tokens": (None, True), "continue_final_message": (None, False)}
 
 
+# The fields that ask for structured outputs of their own (a forced tool choice cannot take them too).
+STRUCTURED_OUTPUT_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
 def _first_bad_text(value, path: str) -> str | None:
     """Where in a body's value a string lies that UTF-8 cannot carry, or None."""
     if isinstance(value, str):
@@ -355,6 +359,10 @@ class ChatCompletionRequest(_Sampling):
             return [("tool_choice", f"tool_choice: the function {choice.function.name!r} is not among the "
                                     f"tools {names}")]
         if self.forced_schema() is not None:
+            if (self.response_format or {}).get("type", "text") != "text" or \
+                    any(name in (self.model_extra or {}) for name in STRUCTURED_OUTPUT_FIELDS):
+                return [("tool_choice", "tool_choice 'required' or a named function sets the output's schema: "
+                                        "it cannot be combined with response_format or structured_outputs")]
             try:
                 from distengine import StructuredOutputsParams  # noqa: F401
             except ImportError:
