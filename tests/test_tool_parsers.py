@@ -161,6 +161,9 @@ def test_a_requests_reading_of_its_choices():
     message, called = auto.message("just text")
     assert message == {"role": "assistant", "content": "just text", "tool_calls": []} and not called
     assert auto.finish_reason("length", called) == "length"
+    harmony = tool_output("auto", tools, True, tool_parser("openai"))
+    text = "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>It is 4."
+    assert harmony.message(text) == ({"role": "assistant", "content": "It is 4.", "tool_calls": []}, False)
     message, called = auto.message('<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>')
     assert called and message["content"] is None and message["tool_calls"][0]["function"] == \
         {"name": "f", "arguments": '{"a": 1}'}

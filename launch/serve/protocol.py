@@ -16,7 +16,6 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
@@ -24,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 from distengine.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
 from distengine.generation_config import SamplingDefaults
 from distengine.inputs import check_message_content
-from distengine.limits import MAX_MESSAGES, MAX_TOOLS, MAX_PROMPTS_PER_REQUEST, MAX_TOKEN_IDS, bad_text
+from distengine.limits import MAX_MESSAGES, MAX_PROMPTS_PER_REQUEST, MAX_TOKEN_IDS, MAX_TOOLS, bad_text
 from distengine.sampling_params import SamplingParams
 
 # ---- request bodies ----------------------------------------------------------------------------
@@ -360,7 +359,7 @@ class ChatCompletionRequest(_Sampling):
                                     f"tools {names}")]
         if self.forced_schema() is not None:
             if (self.response_format or {}).get("type", "text") != "text" or \
-                    any(name in (self.model_extra or {}) for name in STRUCTURED_OUTPUT_FIELDS):
+                    any(getattr(self, name, None) is not None for name in STRUCTURED_OUTPUT_FIELDS):
                 return [("tool_choice", "tool_choice 'required' or a named function sets the output's schema: "
                                         "it cannot be combined with response_format or structured_outputs")]
             try:

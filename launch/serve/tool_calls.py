@@ -46,8 +46,8 @@ class ToolOutput:
         """The choice's message and whether it called a tool."""
         parsed: ParsedOutput = self.parser.parse(text)
         calls = parsed.calls[:self.max_calls]
-        if self.auto and not calls:
-            return {"role": "assistant", "content": text, "tool_calls": []}, False
+        if self.auto and not calls:  # the parser's content: harmony's final channel, else the text
+            return {"role": "assistant", "content": parsed.content or "", "tool_calls": []}, False
         body = [{"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                 for c in calls]
         return {"role": "assistant", "content": parsed.content, "tool_calls": body}, bool(calls)
