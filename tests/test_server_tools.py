@@ -201,6 +201,16 @@ def test_required_calls_a_tool(byte_server, parallel):
 
 
 @needs_structured_outputs
+@pytest.mark.parametrize("fields", [{"response_format": {"type": "json_object"}},
+                                    {"structured_outputs": {"regex": "[a-z]+"}}, {"guided_json": {"type": "object"}}],
+                         ids=["response_format", "structured_outputs", "guided_json"])
+def test_a_forced_choice_takes_no_schema_of_the_requests_own(server, fields):
+    r = server.post("/v1/chat/completions", {"messages": ASK, "tools": TOOLS, "tool_choice": "required", **fields})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+    assert "cannot be combined" in r.json()["error"]["message"]
+
+
+@needs_structured_outputs
 def test_auto_reads_a_call_the_model_writes(byte_server):
     """A hermes call the output is kept to (vLLM's structured_outputs regex) comes back as a call
     under "auto", with the text before it as content, streamed and not."""
