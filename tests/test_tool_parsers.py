@@ -158,21 +158,21 @@ def test_a_requests_reading_of_its_choices():
     from launch.serve.tool_calls import AUTO_NEEDS_FLAGS, tool_output
     tools = [{"type": "function", "function": {"name": "f"}}]
     auto = tool_output("auto", tools, True, tool_parser("hermes"))
-    message, called = auto.message("just text")
-    assert message == {"role": "assistant", "content": "just text", "tool_calls": []} and not called
-    assert auto.finish_reason("length", called) == "length"
+    assert auto.message("just text") == {"role": "assistant", "content": "just text", "tool_calls": []}
+    assert auto.finish_reason("length", False) == "length"
     harmony = tool_output("auto", tools, True, tool_parser("openai"))
     text = "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>It is 4."
-    assert harmony.message(text) == ({"role": "assistant", "content": "It is 4.", "tool_calls": []}, False)
-    message, called = auto.message('<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>')
-    assert called and message["content"] is None and message["tool_calls"][0]["function"] == \
+    assert harmony.message(text) == {"role": "assistant", "content": "It is 4.", "tool_calls": []}
+    message = auto.message('<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>')
+    assert message["content"] is None and message["tool_calls"][0]["function"] == \
         {"name": "f", "arguments": '{"a": 1}'}
-    assert auto.finish_reason("stop", called) == "tool_calls"
+    assert auto.finish_reason("stop", True) == "tool_calls"
     named = tool_output({"type": "function", "function": {"name": "f"}}, tools, True, None)
-    message, called = named.message('{"a": 1}')
-    assert message["content"] == "" and named.finish_reason("stop", called) == "stop"
+    message = named.message('{"a": 1}')
+    assert message["content"] == "" and message["tool_calls"] and named.finish_reason("stop", True) == "stop"
     required = tool_output("required", tools, True, None)
-    assert required.finish_reason("stop", required.message('[{"name": "f", "parameters": {}}]')[1]) == "tool_calls"
+    assert required.message('[{"name": "f", "parameters": {}}]')["tool_calls"]
+    assert required.finish_reason("stop", True) == "tool_calls" and required.finish_reason("length", True) == "length"
     assert tool_output("none", tools, True, None) is None and tool_output("auto", None, True, None) is None
     with pytest.raises(ValueError, match=AUTO_NEEDS_FLAGS):
         tool_output("auto", tools, True, None)

@@ -213,8 +213,8 @@ class _Generation:
             gap = token_gap(tokenizer, ids[-1], c.token_ids[0]) if echo and c.token_ids else ""
             choice = reply.choice(k, head + gap + c.text, logprobs, c.finish_reason, c.stop_reason)
             if self.tools is not None:
-                choice["message"], called = self.tools.message(c.text)
-                choice["finish_reason"] = self.tools.finish_reason(c.finish_reason, called)
+                message = choice["message"] = self.tools.message(c.text)
+                choice["finish_reason"] = self.tools.finish_reason(c.finish_reason, bool(message["tool_calls"]))
             if self.sampling_params.prompt_logprobs is not None and lps is not None and not reply.chat:
                 choice["prompt_logprobs"] = reply.prompt_logprobs(ids, lps, ranks)
             body.append(choice)

@@ -42,15 +42,15 @@ class ToolOutput:
     required: bool = False
     max_calls: int | None = None
 
-    def message(self, text: str) -> tuple[dict, bool]:
-        """The choice's message and whether it called a tool."""
+    def message(self, text: str) -> dict:
+        """The choice's message (its `tool_calls` empty when it called nothing)."""
         parsed: ParsedOutput = self.parser.parse(text)
         calls = parsed.calls[:self.max_calls]
         if self.auto and not calls:  # the parser's content: harmony's final channel, else the text
-            return {"role": "assistant", "content": parsed.content or "", "tool_calls": []}, False
+            return {"role": "assistant", "content": parsed.content or "", "tool_calls": []}
         body = [{"id": new_call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                 for c in calls]
-        return {"role": "assistant", "content": parsed.content, "tool_calls": body}, bool(calls)
+        return {"role": "assistant", "content": parsed.content, "tool_calls": body}
 
     def finish_reason(self, engine_reason: str | None, called: bool) -> str | None:
         if called and (self.auto or (self.required and engine_reason == "stop")):
