@@ -95,6 +95,11 @@ BAD = [  # (what, body fields, message part, param)
      "messages.1.tool_calls.0.function.arguments", "messages"),
     ("tools with beam search", {"tools": TOOLS, "use_beam_search": True, "n": 2}, "tools do not apply to beam search",
      "tools"),
+    ("two tools' $defs of one name under required",
+     {"tools": [{"type": "function", "function": {"name": n, "parameters": {"type": "object",
+                                                                            "$defs": {"d": {"type": t}}}}}
+                for n, t in (("f", "string"), ("g", "integer"))], "tool_choice": "required"},
+     "two tools define $defs 'd' differently", "tools"),
     ("OpenAI's older functions", {"functions": [{"name": "f"}]}, "functions is not supported", "functions"),
 ]
 

@@ -144,6 +144,15 @@ def test_required_schema_is_vllms():
     assert forced_schema({"type": "function", "function": {"name": "f"}}, tools, True) == \
         tools[0]["function"]["parameters"]
     assert forced_schema("auto", tools, True) is None and forced_schema("none", tools, True) is None
+    place = {"type": "object", "properties": {"city": {"type": "string"}}}
+    with_defs = [{"type": "function", "function": {"name": n, "parameters": {
+        "type": "object", "properties": {"at": {"$ref": "#/$defs/place"}}, "$defs": {"place": place}}}}
+        for n in ("h", "k")]
+    assert forced_schema("required", with_defs, True)["$defs"] == {"place": place}  # where the refs point
+    other = {**with_defs[1], "function": {**with_defs[1]["function"], "parameters": {
+        "type": "object", "properties": {"at": {"$ref": "#/$defs/place"}}, "$defs": {"place": {"type": "string"}}}}}
+    with pytest.raises(ValueError, match="tools: two tools define \\$defs 'place' differently"):
+        forced_schema("required", [with_defs[0], other], True)
 
 
 def test_unknown_parser_is_refused_by_name():

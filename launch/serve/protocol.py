@@ -357,7 +357,11 @@ class ChatCompletionRequest(_Sampling):
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             return [("tool_choice", f"tool_choice: the function {choice.function.name!r} is not among the "
                                     f"tools {names}")]
-        if self.forced_schema() is not None:
+        try:
+            schema = self.forced_schema()
+        except ValueError as e:
+            return [("tools", str(e))]
+        if schema is not None:
             if (self.response_format or {}).get("type", "text") != "text" or \
                     any(getattr(self, name, None) is not None for name in STRUCTURED_OUTPUT_FIELDS):
                 return [("tool_choice", "tool_choice 'required' or a named function sets the output's schema: "

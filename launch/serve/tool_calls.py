@@ -22,13 +22,23 @@ EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
 def required_schema(tools: list[dict], one: bool) -> dict:
-    """vLLM's schema for "required": an array of calls, each one of the tools by name."""
+    """vLLM's schema for "required": an array of calls, each one of the tools by name. The tools'
+    `$defs` move to the root, where their `#/$defs/...` references point once the parameters
+    are nested; ValueError names `tools` when two tools define one name differently."""
     options = [{"properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
                                "parameters": t["function"].get("parameters") or EMPTY_PARAMETERS},
                 "required": ["name", "parameters"]} for t in tools]
     schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": options}}
     if one:
         schema["maxItems"] = 1
+    defs: dict = {}
+    for t in tools:
+        for name, definition in ((t["function"].get("parameters") or {}).get("$defs") or {}).items():
+            if defs.setdefault(name, definition) != definition:
+                raise ValueError(f"tools: two tools define $defs {name!r} differently; tool_choice 'required' "
+                                 "puts their definitions in one schema")
+    if defs:
+        schema["$defs"] = defs
     return schema
 
 
