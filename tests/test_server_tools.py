@@ -216,6 +216,17 @@ def test_a_forced_choice_takes_no_schema_of_the_requests_own(server, fields):
 
 
 @needs_structured_outputs
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}],
+                         ids=["required", "named"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_forced_choice_over_parameters_that_do_not_compile_is_a_400_naming_tools(server, choice, stream):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}]
+    r = server.post("/v1/chat/completions", {"messages": ASK, "tools": tools, "tool_choice": choice, "stream": stream})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+    assert r.json()["error"]["message"].startswith("tools: the schema of the forced tool choice"), r.text
+
+
+@needs_structured_outputs
 def test_auto_reads_a_call_the_model_writes(byte_server):
     """A hermes call the output is kept to (vLLM's structured_outputs regex) comes back as a call
     under "auto", with the text before it as content, streamed and not."""
@@ -233,3 +244,34 @@ def test_auto_reads_a_call_the_model_writes(byte_server):
     streamed, reasons = _streamed_calls(chunks)
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "Now.\n"
     assert streamed[0]["arguments"] == message.tool_calls[0].function.arguments and reasons == ["tool_calls"]
+
+
+def test_random_tool_bodies_never_5xx(server):
+    """Tools, tool choices and tool messages of any shape are answered, never with a 5xx."""
+    pytest.importorskip("hypothesis")
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-2 ** 70, 2 ** 70), st.text(max_size=6),
+                        st.sampled_from(["function", "auto", "none", "required", "water", "{}", "\ud800"]))
+    values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) |
+                          st.dictionaries(st.sampled_from(["type", "function", "name", "parameters", "arguments",
+                                                           "id", "$defs", "properties", "x"]), inner, max_size=3),
+                          max_leaves=8)
+    tool = st.one_of(values, st.builds(lambda name, params: {"type": "function", "function": {
+        "name": name, "parameters": params}}, st.sampled_from(["water", "oil", ""]), values))
+    message = st.one_of(values, st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "tool"])},
+                                                      optional={"content": values, "tool_calls": values,
+                                                                "tool_call_id": values}))
+    body = st.fixed_dictionaries({"messages": st.lists(message, min_size=1, max_size=3), "max_tokens": st.just(2)},
+                                 optional={"tools": st.one_of(values, st.lists(tool, max_size=3)),
+                                           "tool_choice": st.one_of(values, st.just({"type": "function",
+                                                                                     "function": {"name": "water"}})),
+                                           "parallel_tool_calls": values, "stream": st.booleans()})
+
+    @settings(max_examples=40, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(body=body)
+    def check(body):
+        r = server.post("/v1/chat/completions", json.dumps(body), raw=True)
+        assert r.status_code < 500, (body, r.status_code, r.text)
+    check()
+    assert server.post("/v1/chat/completions", {"messages": ASK, "max_tokens": 2}).status_code == 200

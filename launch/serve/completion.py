@@ -36,6 +36,8 @@ async def create_completion(state: ServerState, req, raw: Request, prompts: list
             sp = dataclasses.replace(sp, skip_special_tokens=False)
         beams = req.beam_search_params(sp.max_tokens) if req.use_beam_search else None
     except (ValueError, TypeError) as e:
+        if tools is not None and tools.forced and "structured_outputs" in str(e):
+            raise APIError(400, f"tools: the schema of the forced tool choice: {e}", "tools") from None
         raise bad_input(e) from None
     except EngineDeadError as e:
         raise not_running(e) from None

@@ -52,6 +52,11 @@ class ToolOutput:
     required: bool = False
     max_calls: int | None = None
 
+    @property
+    def forced(self) -> bool:
+        """"required" or a named function: the output is kept to the tools' schema."""
+        return not self.auto
+
     def message(self, text: str) -> dict:
         """The choice's message (its `tool_calls` empty when it called nothing)."""
         parsed: ParsedOutput = self.parser.parse(text)
