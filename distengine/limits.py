@@ -16,6 +16,7 @@ MAX_PROMPTS_PER_REQUEST = 1024   # prompts of one /v1/completions request
 MAX_PROMPT_LOGPROBS = 20        # top tokens per prompt position (vLLM's max_logprobs)
 MAX_N = 128                      # completions of one prompt (n, best_of): each a request of its own
 MAX_MESSAGES = 4096              # messages of one chat request
+MAX_TOOLS = 1024                 # tools of one chat request
 MAX_TOKEN_IDS = 1 << 20          # token ids of one prompt or /detokenize request, before the length checks
 
 

@@ -183,6 +183,10 @@ BAD_OPTIONS = [  # (what, flags, message part); {name} is a file or folder of th
     ("a key without a certificate", ["--ssl-keyfile", "{bad_template}"], "need --ssl-certfile"),
     ("a negative log length", ["--max-log-len", "-1"], "--max-log-len must be >= 0, got -1"),
     ("a root path without its slash", ["--root-path", "api"], "--root-path must start with '/'"),
+    ("an unknown tool-call parser", ["--enable-auto-tool-choice", "--tool-call-parser", "nope"],
+     "--tool-call-parser 'nope' is not a known parser; choose one of ['functiongemma', 'hermes'"),
+    ("auto tool choice without a parser", ["--enable-auto-tool-choice"],
+     "--enable-auto-tool-choice requires --tool-call-parser"),
 ]
 
 

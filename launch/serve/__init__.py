@@ -20,7 +20,8 @@ This module is the command (arguments, engine, uvicorn, signals); it imports not
 that `distengine --help` stays fast. The application is `launch.serve.app.build_app` (its options
 `launch.serve.options`); the wire format `launch.serve.protocol`; the endpoints
 `launch.serve.routes`; errors `launch.serve.errors`; the address and TLS files
-`launch.serve.listen`; the request log `launch.serve.request_log`.
+`launch.serve.listen`; the request log `launch.serve.request_log`; a chat's tools
+`launch.serve.tool_calls`, the formats of the models' calls `launch.serve.tool_parsers`.
 """
 
 import contextlib
@@ -82,6 +83,12 @@ def add_arguments(p) -> None:
     p.add_argument("--ssl-ca-certs", default=None, help="CA certificates a client's certificate must come from")
     p.add_argument("--ssl-cert-reqs", type=int, default=0, choices=[0, 1, 2],
                    help="a client certificate: 0 not asked for, 1 optional, 2 required (Python's ssl.CERT_*)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="tool_choice 'auto' (the default when a request gives tools): calls read out of the "
+                        "generated text by --tool-call-parser")
+    p.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="the format of the model's tool calls: hermes (Qwen), llama3_json, llama4_json, pythonic, "
+                        "llama4_pythonic, openai (gpt-oss), functiongemma")
     p.add_argument("--root-path", default="",
                    help="the path prefix of a proxy in front of the server that strips it (the ASGI root_path, "
                         "for /docs and the OpenAPI schema), like /api")
@@ -165,7 +172,9 @@ def _checked_options(args):
                             sampling_defaults=defaults, log_requests=args.enable_log_requests,
                             max_log_len=args.max_log_len, allowed_origins=tuple(args.allowed_origins),
                             allowed_methods=tuple(args.allowed_methods), allowed_headers=tuple(args.allowed_headers),
-                            allow_credentials=args.allow_credentials)
+                            allow_credentials=args.allow_credentials,
+                            enable_auto_tool_choice=args.enable_auto_tool_choice,
+                            tool_call_parser=args.tool_call_parser)
     if args.root_path and (not args.root_path.startswith("/") or args.root_path.endswith("/")):
         raise ValueError(f"--root-path must start with '/' and not end with one, like '/api', got {args.root_path!r}")
     _log_to_stdout(LOGGER)

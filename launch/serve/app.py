@@ -20,7 +20,8 @@ def build_app(engine, served_names: list[str], options: ServerOptions | None = N
     app = FastAPI(title="distengine", version=distengine.__version__, exception_handlers=EXCEPTION_HANDLERS)
     app.state.server = ServerState(engine, served_names, engine.tokenizer, chat_template=o.chat_template,
                                    sampling_defaults=o.sampling_defaults,
-                                   request_logger=RequestLogger(o.max_log_len) if o.log_requests else None)
+                                   request_logger=RequestLogger(o.max_log_len) if o.log_requests else None,
+                                   tool_parser=o.auto_tool_parser())
     # The last one added runs first: CORS answers a preflight before the key is asked for, and
     # an error of the key check still carries the request's id.
     if o.api_key:

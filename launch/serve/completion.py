@@ -7,6 +7,7 @@ The response's id is the client's X-Request-Id header (else the body's `request_
 one) behind OpenAI's prefix, as vLLM's; the engine knows each prompt by that id, its index and a
 random suffix, so that two requests a client sends under one id both run."""
 import asyncio
+import dataclasses
 import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -21,16 +22,22 @@ from distengine.sampling_params import SamplingParams
 from launch.serve.errors import APIError, bad_input, died_message, error_body, not_running
 from launch.serve.protocol import SSE_DONE, ResponseBuilder, TokenIdSpelling, sse, token_gap, usage
 from launch.serve.state import ServerState
+from launch.serve.tool_calls import ToolOutput
 
 
 async def create_completion(state: ServerState, req, raw: Request, prompts: list, logprobs: int | None, *,
-                            chat: bool):
-    """The response to `req` (a `CompletionRequest` or `ChatCompletionRequest`) for `prompts`."""
+                            chat: bool, tools: ToolOutput | None = None):
+    """The response to `req` (a `CompletionRequest` or `ChatCompletionRequest`) for `prompts`;
+    `tools`: how a chat's choices are read for tool calls (None: plain content)."""
     name = state.model_name(req.model)
     try:
         sp, checked = await _check(state.engine, req, prompts, logprobs, state.sampling_defaults)
+        if tools is not None and tools.parser.keeps_special_tokens:
+            sp = dataclasses.replace(sp, skip_special_tokens=False)
         beams = req.beam_search_params(sp.max_tokens) if req.use_beam_search else None
     except (ValueError, TypeError) as e:
+        if tools is not None and tools.forced and "structured_outputs" in str(e):
+            raise APIError(400, f"tools: the schema of the forced tool choice: {e}", "tools") from None
         raise bad_input(e) from None
     except EngineDeadError as e:
         raise not_running(e) from None
@@ -38,7 +45,8 @@ async def create_completion(state: ServerState, req, raw: Request, prompts: list
     spelling = TokenIdSpelling() if req.return_tokens_as_token_ids else state.tokenizer
     reply = ResponseBuilder.start(name, chat, spelling, top, raw.headers.get("x-request-id") or req.request_id)
     suffix = secrets.token_hex(4)
-    run = _Generation(state.engine, checked, sp, reply, [f"{reply.id}-{i}-{suffix}" for i in range(len(checked))])
+    run = _Generation(state.engine, checked, sp, reply, [f"{reply.id}-{i}-{suffix}" for i in range(len(checked))],
+                      tools)
     if state.request_logger is not None:
         for rid, (text, ids) in zip(run.request_ids, checked):
             state.request_logger.log(rid, text, ids, sp)
@@ -101,6 +109,7 @@ class _Generation:
     sampling_params: SamplingParams
     reply: ResponseBuilder
     request_ids: list[str]  # the engine's, one per prompt
+    tools: ToolOutput | None = None  # a chat's tool calls, read out of each choice's text
 
     @property
     def prompt_tokens(self) -> int:
@@ -205,6 +214,9 @@ class _Generation:
                     logprobs = reply.echoed_logprobs(ids, lps, logprobs)
             gap = token_gap(tokenizer, ids[-1], c.token_ids[0]) if echo and c.token_ids else ""
             choice = reply.choice(k, head + gap + c.text, logprobs, c.finish_reason, c.stop_reason)
+            if self.tools is not None:
+                message = choice["message"] = self.tools.message(c.text)
+                choice["finish_reason"] = self.tools.finish_reason(c.finish_reason, bool(message["tool_calls"]))
             if self.sampling_params.prompt_logprobs is not None and lps is not None and not reply.chat:
                 choice["prompt_logprobs"] = reply.prompt_logprobs(ids, lps, ranks)
             body.append(choice)
@@ -222,6 +234,7 @@ class _Generation:
         # own), and text_offset over the whole choice, not one chunk.
         last: dict[int, int | None] = dict.fromkeys(range(n))
         offset = dict.fromkeys(range(n), 0)
+        streams = {k: self.tools.stream() for k in range(n)} if self.tools is not None else None
         try:
             async for i, out in self.outputs():
                 if out.finished:
@@ -235,8 +248,10 @@ class _Generation:
                     if c.token_ids:
                         last[k] = c.token_ids[-1]
                     offset[k] += len(c.text)
-                    yield reply.chunk([reply.delta_choice(k, c, lp, c.finish_reason is not None,
-                                                          first=k not in started)])
+                    choice = reply.delta_choice(k, c, lp, c.finish_reason is not None, first=k not in started)
+                    if streams is not None and not self._tool_delta(choice, streams[k], c, first=k not in started):
+                        continue
+                    yield reply.chunk([choice])
                     started.add(k)
             if include_usage:
                 yield reply.chunk([], usage=usage(self.prompt_tokens, n_out, cached))
@@ -245,3 +260,18 @@ class _Generation:
         except RequestError as e:
             yield sse(error_body(500, str(e)))
         yield SSE_DONE
+
+    def _tool_delta(self, choice: dict, stream, output, first: bool) -> bool:
+        """`choice`'s delta as the tool-call reading of its text makes it; False when it has
+        nothing to send (text held back while it could be the start of a call)."""
+        finished = output.finish_reason is not None
+        got = stream.feed(output.text, final=finished)
+        delta = {"role": "assistant"} if first else {}
+        if got.content or not got.calls:
+            delta["content"] = got.content
+        if got.calls:
+            delta["tool_calls"] = [d.body() for d in got.calls]
+        choice["delta"] = delta
+        if finished:
+            choice["finish_reason"] = self.tools.finish_reason(output.finish_reason, stream.called)
+        return first or finished or bool(got.content or got.calls or choice["logprobs"])

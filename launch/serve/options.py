@@ -22,10 +22,22 @@ class ServerOptions:
     allowed_methods: tuple[str, ...] = ANY
     allowed_headers: tuple[str, ...] = ANY
     allow_credentials: bool = False
+    enable_auto_tool_choice: bool = False   # tool_choice "auto" (the default with tools) ...
+    tool_call_parser: str | None = None     # ... read by this parser (launch.serve.tool_parsers)
 
     def __post_init__(self) -> None:
+        from launch.serve.tool_parsers import tool_parser
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"--max-log-len must be >= 0, got {self.max_log_len}")
+        if self.tool_call_parser is not None:
+            tool_parser(self.tool_call_parser)  # a name we do not know is refused here
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+
+    def auto_tool_parser(self):
+        """The parser of tool_choice "auto", or None when the server does not enable it."""
+        from launch.serve.tool_parsers import tool_parser
+        return tool_parser(self.tool_call_parser) if self.enable_auto_tool_choice else None
 
 
 # Characters a template has and a file name hardly ever does: vLLM's rule for "this was meant as

@@ -17,13 +17,14 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 from distengine.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
 from distengine.generation_config import SamplingDefaults
 from distengine.inputs import check_message_content
-from distengine.limits import MAX_MESSAGES, MAX_PROMPTS_PER_REQUEST, MAX_TOKEN_IDS, bad_text
+from distengine.limits import MAX_MESSAGES, MAX_PROMPTS_PER_REQUEST, MAX_TOKEN_IDS, MAX_TOOLS, bad_text
 from distengine.sampling_params import SamplingParams
 from launch.serve import structured_outputs
 
@@ -45,10 +46,14 @@ BEAM_SEARCH_UNUSED = {"top_p": (None, 1.0), "top_k": (None, 0, -1), "min_p": (No
 # Fields of OpenAI's or vLLM's API that we do not implement, with the values that ask for nothing
 # (a client may send those): anything else is refused with the field named.
 NOT_IMPLEMENTED = {"truncate_prompt_tokens": (None,),
-                   "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+                   "functions": (None, []), "function_call": (None, "none"),
                    "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
                    "suffix": (None, ""),
                    "spaces_between_special_tokens": (None, True), "continue_final_message": (None, False)}
+
+
+# The fields that ask for structured outputs of their own (a forced tool choice cannot take them too).
+STRUCTURED_OUTPUT_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 def _first_bad_text(value, path: str) -> str | None:
@@ -159,6 +164,17 @@ class _Sampling(Body):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def forced_schema(self) -> dict | None:
+        """The JSON schema the output must follow (a forced tool choice's), or None."""
+        return None
+
+    def structured_outputs_params(self):
+        schema = self.forced_schema()
+        if schema is not None:
+            from distengine import StructuredOutputsParams
+            return StructuredOutputsParams(json=schema)
+        return structured_outputs.from_request(self)
+
     def wanted_prompt_logprobs(self, logprobs: int | None) -> int | None:
         """The prompt logprobs the engine computes: those asked, or the completion's k when an
         echoed prompt's tokens need theirs."""
@@ -191,7 +207,7 @@ class _Sampling(Body):
                   include_stop_str_in_output=self.include_stop_str_in_output,
                   logit_bias=self.token_biases(), allowed_token_ids=self.allowed_token_ids,
                   bad_words=self.bad_words, prompt_logprobs=self.wanted_prompt_logprobs(logprobs),
-                  structured_outputs=structured_outputs.from_request(self))
+                  structured_outputs=self.structured_outputs_params())
         for name, neutral in (("temperature", 1.0), ("top_p", 1.0), ("top_k", 0), ("min_p", 0.0),
                               ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
             value = getattr(self, name)
@@ -236,9 +252,24 @@ class CompletionRequest(_Sampling):
         return [x if isinstance(x, str) else {"prompt_token_ids": list(x)} for x in p]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallMessage(BaseModel):
+    """A call an earlier assistant message made."""
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(Body):
     role: str
     content: str | list[dict] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a "tool" message's: the call it answers
 
     @field_validator("content")
     @classmethod
@@ -256,13 +287,64 @@ class ChatMessage(Body):
             return self.content
         return "".join(part["text"] for part in self.content)
 
+    def for_template(self) -> dict:
+        """The message as chat templates read it: an assistant's calls with their arguments as
+        objects (Qwen's, Llama's and others' templates write them with `tojson`), as vLLM passes them."""
+        out: dict = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [{**({"id": c.id} if c.id is not None else {}), "type": c.type,
+                                  "function": {"name": c.function.name,
+                                               "arguments": _arguments_object(c.function.arguments)}}
+                                 for c in self.tool_calls]
+        return out
+
+
+def _arguments_object(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def for_template(self) -> dict:
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # None: true, as OpenAI's
     add_generation_prompt: bool = True
     chat_template_kwargs: dict | None = None  # vLLM's: more variables for the template (enable_thinking, ...)
 
@@ -270,13 +352,55 @@ class ChatCompletionRequest(_Sampling):
         out = super().unsupported()
         if (self.model_extra or {}).get("echo") not in (None, False):
             out.append(("echo", "echo on chat completions is not supported"))
-        if self.tools:
-            out.append(("tools", "tool calls are not supported"))
+        out += self._tool_problems()
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
             out.append(("top_logprobs", f"top_logprobs must be in [0, 20], got {self.top_logprobs}"))
         if self.top_logprobs and not self.logprobs:  # vLLM's rule: it would be ignored silently
             out.append(("top_logprobs", "top_logprobs needs logprobs: true"))
         return out
+
+    def _tool_problems(self) -> list[tuple[str, str]]:
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            return [("tool_choice", "when using `tool_choice`, `tools` must be set")]
+        if self.tools and self.use_beam_search:
+            return [("tools", "tools do not apply to beam search")]
+        choice = self.resolved_tool_choice()
+        names = [t.function.name for t in self.tools or ()]
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            return [("tool_choice", f"tool_choice: the function {choice.function.name!r} is not among the "
+                                    f"tools {names}")]
+        try:
+            schema = self.forced_schema()
+        except ValueError as e:
+            return [("tools", str(e))]
+        if schema is not None:
+            if (self.response_format or {}).get("type", "text") != "text" or \
+                    any(getattr(self, name, None) is not None for name in STRUCTURED_OUTPUT_FIELDS):
+                return [("tool_choice", "tool_choice 'required' or a named function sets the output's schema: "
+                                        "it cannot be combined with response_format or structured_outputs")]
+            try:
+                from distengine import StructuredOutputsParams  # noqa: F401
+            except ImportError:
+                return [("tool_choice", "tool_choice 'required' or a named function needs structured outputs, "
+                                        "which this build does not have")]
+        return []
+
+    def resolved_tool_choice(self):
+        """vLLM's default: "auto" when tools are given, else "none"."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def tool_dicts(self) -> list[dict] | None:
+        return [t.for_template() for t in self.tools] if self.tools else None
+
+    def tool_choice_value(self):
+        choice = self.resolved_tool_choice()
+        return choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
+
+    def forced_schema(self) -> dict | None:
+        from launch.serve.tool_calls import forced_schema
+        return forced_schema(self.tool_choice_value(), self.tool_dicts(), self.parallel_tool_calls is not False)
 
     def requested_max_tokens(self) -> int | None:
         """OpenAI's newer name wins over the deprecated one."""
@@ -290,6 +414,7 @@ class TokenizeRequest(Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     add_special_tokens: bool = True
 
 
@@ -299,20 +424,22 @@ class DetokenizeRequest(Body):
 
 
 def chat_prompt(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                chat_template: str | None = None, template_kwargs: dict | None = None) -> str:
+                chat_template: str | None = None, template_kwargs: dict | None = None,
+                tools: list[dict] | None = None) -> str:
     """The messages as one prompt, through `chat_template`, else the tokenizer's, with the
-    request's `template_kwargs` as more template variables; ValueError names `messages`."""
+    request's `template_kwargs` as more template variables and its `tools` as the template's
+    `tools` (as transformers passes them); ValueError names `messages`."""
     if tokenizer is None:
         raise ValueError("messages: this model has no tokenizer: use /v1/completions with token ids")
     if not chat_template and not getattr(tokenizer, "chat_template", None):
         raise ValueError("messages: this model has no chat template: give the server one (--chat-template) "
                          "or use /v1/completions")
     try:
-        reserved = {"chat_template", "tokenize", "add_generation_prompt", "conversation", "messages"} & \
+        reserved = {"chat_template", "tokenize", "add_generation_prompt", "conversation", "messages", "tools"} & \
             set(template_kwargs or {})
         if reserved:
             raise ValueError(f"chat_template_kwargs: {sorted(reserved)[0]!r} is set by the request itself")
-        return tokenizer.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
+        return tokenizer.apply_chat_template([m.for_template() for m in messages], tools=tools,
                                              chat_template=chat_template, tokenize=False,
                                              add_generation_prompt=add_generation_prompt, **(template_kwargs or {}))
     except ValueError:

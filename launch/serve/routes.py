@@ -14,6 +14,7 @@ from launch.serve.errors import APIError, not_running
 from launch.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                    chat_prompt)
 from launch.serve.state import ServerState, State
+from launch.serve.tool_calls import tool_output
 
 router = APIRouter()
 
@@ -37,12 +38,17 @@ async def completions(req: CompletionRequest, raw: Request, state: State):
 async def chat_completions(req: ChatCompletionRequest, raw: Request, state: State):
     _admit(state, req)
     try:
+        tools = tool_output(req.tool_choice_value(), req.tool_dicts(), req.parallel_tool_calls is not False,
+                            state.tool_parser)
+    except ValueError as e:
+        raise APIError(400, str(e), "tool_choice") from None
+    try:
         prompt = await asyncio.to_thread(chat_prompt, state.tokenizer, req.messages, req.add_generation_prompt,
-                                         state.chat_template, req.chat_template_kwargs)
+                                         state.chat_template, req.chat_template_kwargs, req.tool_dicts())
     except ValueError as e:
         raise APIError(400, str(e), str(e).split(":", 1)[0] if str(e).startswith("chat_template_kwargs")
                        else "messages") from None
-    return await create_completion(state, req, raw, [prompt], req.num_logprobs(), chat=True)
+    return await create_completion(state, req, raw, [prompt], req.num_logprobs(), chat=True, tools=tools)
 
 
 @router.get("/v1/models")
@@ -86,7 +92,8 @@ async def tokenize(req: TokenizeRequest, state: State):
     tok = state.tokenizer
     try:
         if req.messages:
-            text = await asyncio.to_thread(chat_prompt, tok, req.messages, True, state.chat_template)
+            text = await asyncio.to_thread(chat_prompt, tok, req.messages, True, state.chat_template, None,
+                                           [t.for_template() for t in req.tools] if req.tools else None)
         elif req.prompt is not None:
             text = req.prompt
         else:

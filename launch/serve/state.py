@@ -18,6 +18,7 @@ class ServerState:
     chat_template: str | None = None  # --chat-template, else None: the tokenizer's
     sampling_defaults: SamplingDefaults = SamplingDefaults()  # for the fields a request leaves out
     request_logger: RequestLogger | None = None  # --enable-log-requests
+    tool_parser: Any = None  # the ToolParser of tool_choice "auto" (--enable-auto-tool-choice), else None
 
     def model_name(self, requested: str | None) -> str:
         return requested or self.served_names[0]
