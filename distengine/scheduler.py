@@ -31,7 +31,7 @@ from distengine.kv_cache.plan import KVCachePlan
 from distengine.request import Request
 from distengine.sampling_params import SamplingParams
 from distengine.step import NewRequest, ScheduledRequest, StepOutput, StepPlan
-from distengine.structured_outputs import RequestGrammar
+from distengine.structured_outputs import RequestGrammar, fill_bitmasks
 
 
 class Status(enum.Enum):
@@ -295,6 +295,7 @@ class Scheduler:
 
     def _plan(self, scheduled: list[tuple[EngineRequest, int, tuple[list[int], ...]]]) -> StepPlan:
         plan = StepPlan(next(self._step_ids), finished_req_ids=self.finished_since_last_step)
+        grammar_rows: list[tuple[ScheduledRequest, RequestGrammar]] = []
         self.finished_since_last_step = []
         samplers = []
         for req, n, appended in scheduled:
@@ -310,12 +311,16 @@ class Scheduler:
                 new_blocks = [list(ids) for ids in appended] if any(appended) else []
             sample = start + n == req.num_tokens + req.num_output_placeholders
             plan.scheduled.append(ScheduledRequest(req.request_id, start, n, req.all_token_ids[start:start + n],
-                                                   new_blocks, sample,
-                                                   req.grammar.next_bitmask() if sample and req.grammar else None))
+                                                   new_blocks, sample))
             req.num_computed_tokens = start + n
             if sample:
                 req.num_output_placeholders += 1
                 samplers.append(req)
+                if req.grammar is not None:
+                    grammar_rows.append((plan.scheduled[-1], req.grammar))
+        if grammar_rows:
+            for row, mask in zip((r for r, _ in grammar_rows), fill_bitmasks([g for _, g in grammar_rows])):
+                row.token_bitmask = mask
         if samplers:
             self._in_flight[plan.step_id] = samplers
         return plan

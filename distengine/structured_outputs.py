@@ -14,6 +14,7 @@ parses), so that a bad one is a ValueError (HTTP 400) before anything is queued.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from distengine.sampling_params import StructuredOutputsParams
 
 LIBRARY = "xgrammar"
 MAX_COMPILED = 256  # compiled grammars kept per engine
+MAX_FILL_THREADS = 8  # the bitmask fill's threads (the workers need cores of their own)
 
 
 def _choice_ebnf(choices: list[str]) -> str:
@@ -73,9 +75,9 @@ def check(spec: StructuredOutputsParams) -> None:
 
 @dataclass(eq=False)
 class RequestGrammar:
-    """One request's matcher: the output tokens it has accepted, and its next bitmask."""
+    """One request's matcher and the output tokens it has accepted."""
     matcher: object  # xgrammar.GrammarMatcher
-    bitmask: object  # torch int32 [1, words]: filled before each sample
+    vocab_size: int  # the model's: the bitmask's width
     num_accepted: int = 0
 
     def accept(self, token: int) -> bool:
@@ -90,10 +92,23 @@ class RequestGrammar:
         """It accepted a stop token (the output is complete)."""
         return self.matcher.is_terminated()
 
-    def next_bitmask(self) -> bytes:
-        """The tokens allowed next (bit set: allowed), as the step carries them."""
-        self.matcher.fill_next_token_bitmask(self.bitmask, 0)
-        return self.bitmask.numpy().tobytes()
+
+_batch_matcher = None  # the library's thread pool for filling many masks at once, made on first use
+
+
+def fill_bitmasks(grammars: list[RequestGrammar]) -> list[bytes]:
+    """Each matcher's next bitmask (bit set: allowed), as the step carries them. One call fills
+    them all on the library's threads (its default, "auto", took one here): filled one after
+    another, 128 masks over a 262k vocabulary took ~25 ms a step on this 2-core machine, ~12 ms
+    on two threads, against a decode step of ~16 ms on an H200."""
+    global _batch_matcher
+    import xgrammar as xgr
+    if _batch_matcher is None:
+        _batch_matcher = xgr.BatchGrammarMatcher(max_threads=max(1, min(MAX_FILL_THREADS, os.cpu_count() or 1)))
+    masks = xgr.allocate_token_bitmask(len(grammars), grammars[0].vocab_size)
+    _batch_matcher.batch_fill_next_token_bitmask([g.matcher for g in grammars], masks)
+    rows = masks.numpy()
+    return [row.tobytes() for row in rows]
 
 
 @dataclass(eq=False)
@@ -148,4 +163,4 @@ class GrammarCompiler:
         compiled = self.compile(spec)
         stops = sorted({*self.eos_token_ids, *stop_token_ids})
         matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None)
-        return RequestGrammar(matcher, xgr.allocate_token_bitmask(1, self.vocab_size))
+        return RequestGrammar(matcher, self.vocab_size)

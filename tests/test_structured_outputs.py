@@ -141,7 +141,9 @@ def test_params_are_checked():
 
 def test_a_token_the_grammar_rejects_fails_that_request_alone(llm, monkeypatch):
     # A bitmask that allows every token: the model samples what the grammar does not allow.
-    monkeypatch.setattr(RequestGrammar, "next_bitmask", lambda self: b"\xff" * (4 * -(-llm.info.vocab_size // 32)))
+    import distengine.scheduler
+    monkeypatch.setattr(distengine.scheduler, "fill_bitmasks",
+                        lambda grammars: [b"\xff" * (4 * -(-llm.info.vocab_size // 32))] * len(grammars))
     spec = so(regex="z{40}")
     outs = llm.generate(PROMPTS, [SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=spec),
                                   SamplingParams(temperature=0.0, max_tokens=5)], use_tqdm=False)
@@ -185,13 +187,13 @@ def test_bitmask_bars_the_padded_vocabulary_and_travels_exactly(folder):
     from transformers import AutoTokenizer
 
     from distengine.step import ScheduledRequest, StepPlan
-    from distengine.structured_outputs import GrammarCompiler
+    from distengine.structured_outputs import GrammarCompiler, fill_bitmasks
     tok = AutoTokenizer.from_pretrained(folder)
     vocab = 512  # the model's, padded past the tokenizer's
     assert len(tok) < vocab
     grammars = GrammarCompiler(tok, vocab, frozenset({tok.eos_token_id}))
     g = grammars.matcher(so(regex=r".+"), [])
-    mask = g.next_bitmask()
+    mask, = fill_bitmasks([g])
     bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")
     assert len(bits) == vocab and not bits[len(tok):].any() and bits[:len(tok)].sum() > 200
     assert not bits[tok.eos_token_id]  # ".+" may not end before its first character

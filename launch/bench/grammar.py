@@ -1,13 +1,13 @@
 """`python -m launch.bench.grammar`: the host's cost of structured outputs per step (CPU only).
 
 The driver fills one bitmask per request with a grammar before each step that samples it
-(`distengine.structured_outputs`), on the scheduler's thread, one request after another. This
+(`distengine.structured_outputs.fill_bitmasks`: one call, on the library's threads). This
 times that fill for a batch of requests over a synthetic vocabulary of the size of today's large
 ones (262,144 tokens: the 256 bytes, then random pieces of letters, digits, JSON punctuation and
 spaces, seeded), every request in another state of one JSON schema (each has accepted a different
 prefix of a valid document, byte by byte, and accepts its next byte each step, as the engine's
 matchers do before they fill): with xgrammar through the engine's own matcher
-(`RequestGrammar.next_bitmask`, the bytes the step carries included), and with llguidance's matcher
+(`fill_bitmasks`, the bytes the step carries included), and with llguidance's matcher
 when it imports. Also the schema's compile time against that vocabulary.
 """
 from __future__ import annotations
@@ -27,7 +27,6 @@ SCHEMA = {"type": "object",
           "required": ["name", "age", "color", "tags"], "additionalProperties": False}
 DOCUMENT = json.dumps({"name": "Ada Lovelace", "age": 36, "color": "green",
                        "tags": ["math", "analytical engines", "poetry", "Bernoulli numbers", "notes", "looms"]})
-REQUESTS = [128]
 ALPHABET = string.ascii_letters + string.digits + '{}[]":,.-_ ' + "    "
 
 
@@ -65,7 +64,7 @@ def bench_xgrammar(vocab: list[bytes], requests: int, repeats: int) -> dict:
     import xgrammar as xgr
 
     from distengine.sampling_params import StructuredOutputsParams
-    from distengine.structured_outputs import RequestGrammar
+    from distengine.structured_outputs import RequestGrammar, fill_bitmasks
     eos = len(vocab) - 1
     info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=len(vocab), stop_token_ids=[eos])
     t0 = time.perf_counter()
@@ -75,15 +74,14 @@ def bench_xgrammar(vocab: list[bytes], requests: int, repeats: int) -> dict:
     data, at = DOCUMENT.encode(), starts(requests, repeats)
     grammars = []
     for start in at:
-        g = RequestGrammar(xgr.GrammarMatcher(compiled, override_stop_tokens=[eos]),
-                           xgr.allocate_token_bitmask(1, len(vocab)))
+        g = RequestGrammar(xgr.GrammarMatcher(compiled, override_stop_tokens=[eos]), len(vocab))
         assert all(g.accept(b) for b in data[:start])  # token b is byte b
         grammars.append(g)
 
     def step(k: int) -> None:
         for g, start in zip(grammars, at):
             assert g.accept(data[start + k])
-            g.next_bitmask()
+        fill_bitmasks(grammars)
     times = _timed(step, repeats)
     return {"library": f"xgrammar {version('xgrammar')}", "compile_s": compile_s, "step_ms": [t * 1e3 for t in times]}
 
@@ -131,7 +129,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    REQUESTS[0] = args.requests
     vocab = synthetic_vocab(args.vocab_size)
     results = [r for r in (bench_xgrammar(vocab, args.requests, args.repeats),
                            bench_llguidance(vocab, args.requests, args.repeats)) if r is not None]
@@ -139,7 +136,7 @@ def run(args) -> int:
         print(json.dumps(results))
         return 0
     print(f"accept one token and fill the bitmask, for {args.requests} requests (one JSON schema, each in another state), "
-          f"vocabulary of {len(vocab):,} tokens, one thread; {args.repeats} steps")
+          f"vocabulary of {len(vocab):,} tokens (xgrammar through the engine's fill on its threads, llguidance on one); {args.repeats} steps")
     for r in results:
         ms = r["step_ms"]
         print(f"  {r['library']:<18} median {statistics.median(ms):8.2f} ms/step (min {min(ms):.2f}, first "
