@@ -57,18 +57,24 @@ def _refused(kind: str, e: Exception) -> ValueError:
     return ValueError(f"structured_outputs.{kind}: {LIBRARY} cannot compile this {what}: {message}")
 
 
+def _grammar(kind: str, text: str):
+    """The spec as the library's grammar (compiled against a vocabulary later)."""
+    import xgrammar as xgr
+    if kind == "json":
+        json.loads(text)  # the library's own message for bad JSON text is less clear
+        return xgr.Grammar.from_json_schema(text)
+    if kind == "json_object":
+        return xgr.Grammar.from_json_schema('{"type": "object"}')  # an object, as vLLM's
+    if kind == "regex":
+        return xgr.Grammar.from_regex(text)
+    return xgr.Grammar.from_ebnf(text)  # grammar, choice
+
+
 def check(spec: StructuredOutputsParams) -> None:
     """The spec parses (a ValueError naming its field and the library's message if not)."""
-    import xgrammar as xgr
     kind, text = _key(spec)
     try:
-        if kind == "json":
-            json.loads(text)  # the library's own message for bad JSON text is less clear
-            xgr.Grammar.from_json_schema(text)
-        elif kind == "regex":
-            xgr.Grammar.from_regex(text)
-        elif kind in ("grammar", "choice"):
-            xgr.Grammar.from_ebnf(text)
+        _grammar(kind, text)
     except Exception as e:  # noqa: BLE001 - the library raises RuntimeError and others
         raise _refused(kind, e) from None
 
@@ -142,14 +148,7 @@ class GrammarCompiler:
         compiler = self._library()
         kind, text = key
         try:
-            if kind == "json":
-                compiled = compiler.compile_json_schema(text)
-            elif kind == "regex":
-                compiled = compiler.compile_regex(text)
-            elif kind == "json_object":
-                compiled = compiler.compile_json_schema('{"type": "object"}')  # an object, as vLLM's
-            else:
-                compiled = compiler.compile_grammar(text)
+            compiled = compiler.compile_grammar(_grammar(kind, text))
         except Exception as e:  # noqa: BLE001 - the library raises RuntimeError and others
             raise _refused(kind, e) from None
         self._compiled[key] = compiled
