@@ -6,6 +6,12 @@ step N+1 while the workers run step N. Each call to `step()` schedules one step,
 receives the output of the step launched before it, whose tokens it applies (see the scheduler's
 docstring for how a step can be scheduled before the previous one's tokens are known). Without
 it, each step's output is applied before the next one is scheduled.
+
+Structured outputs keep the overlap as vLLM's split of a step into forward and sampling does: a
+step with grammar rows goes out with `masks_follow`; the workers run its forward and wait. Once
+the step before it has returned its tokens and the matchers have taken them, the host fills that
+step's masks while its forward runs, and sends them with the next step's plan; the workers sample
+with them, then launch the next forward.
 """
 from __future__ import annotations
 
@@ -80,6 +86,7 @@ class EngineCore:
                                    info.config.max_num_batched_tokens, info.config.enable_prefix_caching)
         self.step_log: list[StepRecord] | None = None  # benchmarks set a list here
         self._grammars: GrammarCompiler | None = None  # structured outputs, from the first request that asks
+        self._masks_due: int | None = None  # a step launched with masks_follow: its masks go with the next plan
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
@@ -116,8 +123,17 @@ class EngineCore:
 
     def _step(self) -> list[RequestUpdate]:
         sched = self.scheduler
+        # The step launched last is running its forward; every token before it has been applied.
+        masks = sched.grammar_masks(self._masks_due) if self._masks_due is not None else None
+        self._masks_due = None
         plan = sched.schedule()
         plan.defer_output = self.config.async_scheduling
+        plan.grammar_masks = masks
+        if sched.has_grammar_rows(plan.step_id):
+            if plan.defer_output:
+                plan.masks_follow = True
+            else:
+                plan.grammar_masks = sched.grammar_masks(plan.step_id)
         if not plan.scheduled and not plan.finished_req_ids and not sched.has_in_flight():
             if sched.waiting and not sched.running:
                 head = sched.waiting[0]
@@ -130,7 +146,10 @@ class EngineCore:
             if not e.req_ids:
                 raise
             sched.drop_from_step(plan, e.req_ids, e)
+            plan.masks_follow = plan.masks_follow and any(s.sample for s in plan.scheduled)
             output = self.executor.execute(plan)
+        if plan.masks_follow:
+            self._masks_due = plan.step_id
         if self.step_log is not None and plan.scheduled:
             self.step_log.append(StepRecord(time.perf_counter(), len(plan.scheduled), plan.num_tokens,
                                             plan.num_tokens == len(plan.scheduled)))

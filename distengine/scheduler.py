@@ -13,11 +13,12 @@ placeholder until its value arrives (`Request.num_output_placeholders`). The nex
 computes a placeholder's position: the workers feed it the token they sampled, which never makes
 the round trip through the host. A request that will surely end once its placeholders arrive
 (max_tokens, max_model_len) is not scheduled again, and a preempted request is readmitted only
-once its last token is known. A request with structured outputs is not scheduled while a token of
-it is in flight: the tokens its grammar allows next depend on that one (it samples every other
-step when overlapped; the others keep the overlap). `update` applies a step's sampled tokens and
-the stop rules (one place for when a request stops; a grammar's matcher accepts each token there);
-results for a request that finished meanwhile are dropped.
+once its last token is known. A request with structured outputs is scheduled like any other, but
+its step samples only with its grammar's mask, which depends on the token in flight: the engine
+asks for the masks of a step (`grammar_masks`) once the step before has returned its tokens and
+the matchers have taken them, while the workers run that step's forward. `update` applies a step's
+sampled tokens and the stop rules (one place for when a request stops; a grammar's matcher accepts
+each token there); results for a request that finished meanwhile are dropped.
 """
 from __future__ import annotations
 
@@ -30,8 +31,8 @@ from distengine.kv_cache.manager import KVCacheManager
 from distengine.kv_cache.plan import KVCachePlan
 from distengine.request import Request
 from distengine.sampling_params import SamplingParams
-from distengine.step import NewRequest, ScheduledRequest, StepOutput, StepPlan
-from distengine.structured_outputs import RequestGrammar, fill_bitmasks
+from distengine.step import GrammarMasks, NewRequest, ScheduledRequest, StepOutput, StepPlan
+from distengine.structured_outputs import fill_bitmasks
 
 
 class Status(enum.Enum):
@@ -107,6 +108,8 @@ class Scheduler:
         self.failed: list[RequestUpdate] = []  # requests ended by an error on the driver, not yet reported
         # step id -> the requests it samples, in plan order (what its output's tokens belong to).
         self._in_flight: dict[int, list[EngineRequest]] = {}
+        # step id -> its sampling requests with a grammar, until their masks are asked for.
+        self._grammar_rows: dict[int, list[EngineRequest]] = {}
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
@@ -183,6 +186,7 @@ class Scheduler:
         the workers had none pending) means the steps before it in flight lost theirs (a caller
         interrupted while it waited). Their requests cannot go on from what the host knows."""
         for lost in [k for k in self._in_flight if k < step_id]:
+            self._grammar_rows.pop(lost, None)
             for req in self._in_flight.pop(lost):
                 if req.status != Status.FINISHED:
                     self.fail(req, f"step {lost}'s output was lost (its caller was interrupted)")
@@ -204,8 +208,6 @@ class Scheduler:
         """Tokens of `req` not yet scheduled; 0 when the tokens in flight will end it anyway."""
         pending = req.num_output_placeholders
         if pending:
-            if req.grammar is not None:
-                return 0  # its next mask depends on the token in flight
             sp = req.sampling
             if sp.max_tokens is not None and req.num_output_tokens + pending >= sp.max_tokens:
                 return 0
@@ -295,7 +297,7 @@ class Scheduler:
 
     def _plan(self, scheduled: list[tuple[EngineRequest, int, tuple[list[int], ...]]]) -> StepPlan:
         plan = StepPlan(next(self._step_ids), finished_req_ids=self.finished_since_last_step)
-        grammar_rows: list[tuple[ScheduledRequest, RequestGrammar]] = []
+        grammar_rows: list[EngineRequest] = []
         self.finished_since_last_step = []
         samplers = []
         for req, n, appended in scheduled:
@@ -317,13 +319,23 @@ class Scheduler:
                 req.num_output_placeholders += 1
                 samplers.append(req)
                 if req.grammar is not None:
-                    grammar_rows.append((plan.scheduled[-1], req.grammar))
+                    grammar_rows.append(req)
         if grammar_rows:
-            for row, mask in zip((r for r, _ in grammar_rows), fill_bitmasks([g for _, g in grammar_rows])):
-                row.token_bitmask = mask
+            self._grammar_rows[plan.step_id] = grammar_rows
         if samplers:
             self._in_flight[plan.step_id] = samplers
         return plan
+
+    def has_grammar_rows(self, step_id: int) -> bool:
+        return step_id in self._grammar_rows
+
+    def grammar_masks(self, step_id: int) -> GrammarMasks:
+        """The masks of a step's rows with a grammar, from their matchers as they are now: call it
+        once every token before that step has been applied (`update`). A request that has finished
+        since gets none (its token is dropped)."""
+        live = [r for r in self._grammar_rows.pop(step_id, []) if r.grammar is not None]
+        masks = fill_bitmasks([r.grammar for r in live]) if live else []
+        return GrammarMasks(step_id, {r.request_id: m for r, m in zip(live, masks)})
 
     def _new_request(self, req: EngineRequest) -> NewRequest:
         sampling = req.sampling.for_workers(req.eos_token_ids)
@@ -337,6 +349,7 @@ class Scheduler:
         """Apply a step's sampled tokens (one per request that sampled, in plan order): append,
         check the stop rules, finish. Returns what each live request got."""
         self.forget_lost_steps(step_id)
+        self._grammar_rows.pop(step_id, None)  # (sent, or its requests ended before)
         samplers = self._in_flight.pop(step_id, [])
         if not samplers:
             return []

@@ -93,14 +93,19 @@ class ScheduledRequest:
     # Block ids appended to each group's table; [] when nothing was appended in any group.
     new_block_ids: list[list[int]]
     sample: bool                 # the step reaches the request's end: sample its next token
-    # Structured outputs: the tokens its grammar allows now, a bit per token (little-endian int32
-    # words of 32 tokens each, xgrammar's layout, covering the model's vocabulary); only on a row
-    # that samples.
-    token_bitmask: bytes | None = None
 
     @property
     def uses_device_token(self) -> bool:
         return len(self.token_ids) < self.num_new_tokens
+
+
+@dataclass
+class GrammarMasks:
+    """Structured outputs: the tokens each grammar allows at one step's sampling rows, a bit per
+    token (little-endian int32 words of 32 tokens each, covering the model's vocabulary). A
+    sampling row without an entry may take any token."""
+    step_id: int
+    masks: dict[str, bytes] = field(default_factory=dict)  # req_id -> bitmask
 
 
 @dataclass
@@ -112,6 +117,11 @@ class StepPlan:
     finished_req_ids: list[str] = field(default_factory=list)  # finished, aborted or preempted
     # Overlapped execution: the workers launch this step and return the previous one's output.
     defer_output: bool = False
+    # Structured outputs, overlapped: this step's grammars wait on the tokens of the step before,
+    # so the workers run its forward now and sample once the next plan brings its masks.
+    masks_follow: bool = False
+    # The masks of this step (not overlapped) or of the step before, whose sampling waits on them.
+    grammar_masks: GrammarMasks | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -123,17 +133,21 @@ class StepPlan:
         new = [[r.req_id, r.block_ids, _row(r.sampling), *_row(r)[3:]] for r in self.new_requests]
         scheduled = [_row(s) for s in self.scheduled]
         try:
-            return msgpack.packb([self.step_id, new, scheduled, self.finished_req_ids, self.defer_output])
+            masks = None if self.grammar_masks is None else _row(self.grammar_masks)
+            return msgpack.packb([self.step_id, new, scheduled, self.finished_req_ids, self.defer_output,
+                                  self.masks_follow, masks])
         except (OverflowError, TypeError, ValueError) as e:
             bad = [row[0] for row in new + scheduled if not _packs(row)]
             raise StepEncodingError(f"step {self.step_id} cannot be encoded: {type(e).__name__}: {e}", bad) from e
 
     @classmethod
     def decode(cls, data: bytes) -> "StepPlan":
-        step_id, new, scheduled, finished, defer = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        step_id, new, scheduled, finished, defer, follow, masks = msgpack.unpackb(data, raw=False,
+                                                                                 strict_map_key=False)
         return cls(step_id, [NewRequest(rid, blocks, RequestSampling(*sampling), *rest)
                              for rid, blocks, sampling, *rest in new],
-                   [ScheduledRequest(*s) for s in scheduled], finished, defer)
+                   [ScheduledRequest(*s) for s in scheduled], finished, defer, follow,
+                   None if masks is None else GrammarMasks(*masks))
 
 
 @dataclass

@@ -17,6 +17,7 @@ from distengine import LLM, SamplingParams, StructuredOutputsParams
 from distengine.step import RequestSampling
 from distengine.structured_outputs import RequestGrammar
 from tests.server_harness import build_byte_level_model
+from tests.test_engine import ray_cluster  # noqa: F401 - a fixture
 from workers.sampler import SamplingTensors, sample
 
 SCHEMA = {"type": "object",
@@ -186,7 +187,7 @@ def test_sampler_bars_exactly_the_masked_tokens(kind):
 def test_bitmask_bars_the_padded_vocabulary_and_travels_exactly(folder):
     from transformers import AutoTokenizer
 
-    from distengine.step import ScheduledRequest, StepPlan
+    from distengine.step import GrammarMasks, ScheduledRequest, StepPlan
     from distengine.structured_outputs import GrammarCompiler, fill_bitmasks
     tok = AutoTokenizer.from_pretrained(folder)
     vocab = 512  # the model's, padded past the tokenizer's
@@ -198,8 +199,9 @@ def test_bitmask_bars_the_padded_vocabulary_and_travels_exactly(folder):
     assert len(bits) == vocab and not bits[len(tok):].any() and bits[:len(tok)].sum() > 200
     assert not bits[tok.eos_token_id]  # ".+" may not end before its first character
     assert grammars.compile(so(regex=r".+")) is grammars.compile(so(regex=r".+"))  # cached by spec
-    plan = StepPlan(3, scheduled=[ScheduledRequest("a", 0, 2, [5, 6], [], True, mask),
-                                  ScheduledRequest("b", 0, 1, [7], [], True)])
+    plan = StepPlan(3, scheduled=[ScheduledRequest("a", 0, 2, [5, 6], [], True),
+                                  ScheduledRequest("b", 0, 1, [7], [], True)], defer_output=True,
+                    masks_follow=True, grammar_masks=GrammarMasks(2, {"a": mask}))
     assert StepPlan.decode(plan.encode()) == plan
 
 
@@ -216,3 +218,60 @@ def test_an_abort_leaves_no_matcher_or_block(llm):
         llm.engine.step()
     llm.output_processor.pop(rid)
     _idle(llm)
+
+
+OVERLAP_SPECS = [so(json=SCHEMA), None, so(regex=r"[a-z]{3}( [a-z]{2,4}){6}"), so(choice=["yes", "no", "maybe"])]
+OVERLAP_PROMPTS = ["user : JSON please", "x", "write words", "choose"]
+
+
+def _mixed_batch(folder, **kw):
+    """Seeded and greedy rows, one without a grammar: (each completion, the steps run)."""
+    params = [SamplingParams(temperature=t, seed=s, max_tokens=150, frequency_penalty=1.0, structured_outputs=spec)
+              for spec, t, s in zip(OVERLAP_SPECS, (1.0, 1.0, 0.0, 1.0), (6, 4, None, 5))]
+    with LLM(folder, device="cpu", dtype="float32", max_model_len=256, **kw) as llm:
+        log = llm.engine.step_log = []
+        outs = [o.outputs[0] for o in llm.generate(OVERLAP_PROMPTS, params, use_tqdm=False)]
+        _idle(llm)
+    return outs, log
+
+
+@pytest.fixture(scope="module")
+def plain_loop(folder):
+    return _mixed_batch(folder, async_scheduling=False)[0]
+
+
+def test_overlap_keeps_every_step_and_the_tokens_of_the_plain_loop(folder, plain_loop):
+    """Overlapped, a grammar row is scheduled every step (its sampling waits on masks filled while
+    its forward runs) and gives the tokens of the loop that is not overlapped."""
+    outs, log = _mixed_batch(folder, async_scheduling=True)
+    assert len(log) <= max(len(o.token_ids) for o in outs) + 2  # one token a step, plus the last output
+    for a, b in zip(plain_loop, outs):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+    assert [outs[i].finish_reason for i in (0, 2, 3)] == ["stop"] * 3 and outs[1].token_ids
+    satisfies(json.loads(outs[0].text, strict=False))
+    assert re.fullmatch(r"[a-z]{3}( [a-z]{2,4}){6}", outs[2].text)
+    assert outs[3].text in ("yes", "no", "maybe")
+
+
+def test_overlap_at_tp2_on_ray(folder, plain_loop, ray_cluster):
+    """Both ranks sample a step late with the masks the next plan brings, through the compiled
+    graph's bytes."""
+    outs, _ = _mixed_batch(folder, async_scheduling=True, tensor_parallel_size=2)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain_loop]
+
+
+def test_a_step_waiting_on_masks_gets_them_from_the_next_plan_or_nothing_runs(folder):
+    """The worker's side of the split step: masks only follow an overlapped step; a plan that does
+    not bring the masks its predecessor waits on is refused (the engine would be out of step)."""
+    from distengine.executor import EngineDeadError
+    from distengine.step import StepPlan
+    with LLM(folder, device="cpu", dtype="float32", max_model_len=256) as llm:
+        worker = llm.engine.executor.worker
+        llm._add(None, [5, 6, 7], SamplingParams(max_tokens=3), [])
+        plan = llm.scheduler.schedule()
+        with pytest.raises(RuntimeError, match="masks can follow only an overlapped step"):
+            worker.execute(StepPlan(plan.step_id, plan.new_requests, plan.scheduled, masks_follow=True))
+        with pytest.raises(EngineDeadError, match="waits on its grammar masks; step .* brought none"):
+            llm.engine.executor.execute(StepPlan(plan.step_id, plan.new_requests, plan.scheduled,
+                                                 defer_output=True, masks_follow=True))
+            llm.engine.executor.execute(StepPlan(plan.step_id + 1, defer_output=True))

@@ -60,7 +60,6 @@ class StagedStep:
     chunk_entry: Section | None = None
     appends: StagedAppends | None = None
     new_rows: StagedRows | None = None
-    token_bitmask: Section | None = None  # [sampling rows, words]: structured outputs' allowed tokens
 
 
 @dataclass
@@ -93,6 +92,7 @@ class InputBatch:
         self.static = torch.zeros(3, self.R4, dtype=torch.int32, device=device)
         self.arange = torch.arange(max(R, 1) + 1, dtype=torch.int32, device=device)
         self.staging = Staging(device)
+        self.mask_staging = Staging(device, capacity=1 << 10)
         self.row_of: dict[str, int] = {}
         self.free_rows = list(range(R - 1, -1, -1))  # pop() gives the lowest free row
         self.has_sampled = np.zeros(R + 1, dtype=bool)
@@ -135,7 +135,6 @@ class InputBatch:
         sample_idx: list[int] = []
         sample_seq: list[int] = []
         sample_ids: list[str] = []
-        masks: list[tuple[int, bytes]] = []  # (sampling row's index, its grammar's bitmask)
         t = 0
         for i, s in enumerate(scheduled):
             row = self.row_of.get(s.req_id)
@@ -161,8 +160,6 @@ class InputBatch:
             if s.new_block_ids:
                 self.tables.append(s.req_id, row, s.new_block_ids)
             if s.sample:
-                if s.token_bitmask is not None:
-                    masks.append((len(sample_seq), s.token_bitmask))
                 sample_idx.append(t + n - 1)
                 sample_seq.append(i)
                 sample_ids.append(s.req_id)
@@ -182,9 +179,7 @@ class InputBatch:
         P = graph_size or S  # entries of the fixed region that the step reads
 
         st, R4 = self.staging, self.R4
-        words = -(-self.vocab_size // 32)
-        st.begin(3 * R4 + 8 * S + 5 * T + 64 + 2 * self.tables.num_queued + self.sampling.num_queued_words
-                 + (len(sample_seq) * words if masks else 0))
+        st.begin(3 * R4 + 8 * S + 5 * T + 64 + 2 * self.tables.num_queued + self.sampling.num_queued_words)
         fixed = st.put(np.zeros(3 * R4, dtype=np.int32))
         region = st.np[st.k][:3 * R4].reshape(3, R4)
         region[0, :S], region[1, :S], region[2, :S] = rows, num_computed, seq_lens
@@ -211,8 +206,6 @@ class InputBatch:
                 staged.graph_token_ids = st.put(host_ids)
             if len(sample_seq) != S:
                 staged.sample_seq = st.put(sample_seq)
-        if masks:
-            staged.token_bitmask = st.put(self._bitmask(masks, len(sample_seq), words, sample_ids))
         staged.appends = self.tables.stage(st)
         staged.new_rows = self.sampling.stage(st)
         st.commit()
@@ -222,17 +215,6 @@ class InputBatch:
                 self.tables.check(s.req_id, row, s.num_computed_tokens, s.num_new_tokens)
         return StepInputs(S, T, int(qlens.max()) if S else 0, int(seq_lens.max()) if S else 0, graph_size,
                           sample_ids, sample_rows, staged)
-
-    @staticmethod
-    def _bitmask(masks: list[tuple[int, bytes]], num_rows: int, words: int, req_ids: list[str]) -> np.ndarray:
-        """[sampling rows, words] int32: each grammar row's bitmask, every token allowed elsewhere."""
-        out = np.full((num_rows, words), -1, dtype=np.int32)
-        for k, mask in masks:
-            if len(mask) != 4 * words:
-                raise ValueError(f"request {req_ids[k]}: a token bitmask of {len(mask)} bytes; the vocabulary "
-                                 f"takes {4 * words}")
-            out[k] = np.frombuffer(mask, dtype="<i4")
-        return out
 
     def _apply(self, staged: StagedStep) -> None:
         st = self.staging
@@ -304,11 +286,32 @@ class InputBatch:
         return self.staging.view(step.staged.sample_seq).long()
 
     # ---- sampling --------------------------------------------------------------------------
-    def sampling_tensors(self, step: StepInputs, generator: torch.Generator | None) -> SamplingTensors:
+    def sampling_tensors(self, step: StepInputs, generator: torch.Generator | None,
+                         masks: dict[str, bytes] | None = None) -> SamplingTensors:
+        """`masks`: the grammar bitmasks of some sampling rows (by request id). They travel in a
+        staging buffer of their own: a step's masks may come after the next step's inputs were
+        packed (the step sampled late)."""
         rows = self.staging.view(step.staged.sample_rows).long()
         t = self.sampling.tensors(rows, step.sample_rows_np, generator)
-        if step.staged.token_bitmask is not None:
-            t.token_bitmask = self.staging.view(step.staged.token_bitmask).view(len(step.sample_rows_np), -1)
+        if masks:
+            words = -(-self.vocab_size // 32)
+            out = np.full((len(step.sample_req_ids), words), -1, dtype=np.int32)  # no grammar: any token
+            unknown = set(masks).difference(step.sample_req_ids)
+            if unknown:
+                raise ValueError(f"grammar masks for requests that do not sample in this step: {sorted(unknown)[:4]}")
+            for k, rid in enumerate(step.sample_req_ids):
+                mask = masks.get(rid)
+                if mask is None:
+                    continue
+                if len(mask) != 4 * words:
+                    raise ValueError(f"request {rid}: a token bitmask of {len(mask)} bytes; the vocabulary "
+                                     f"takes {4 * words}")
+                out[k] = np.frombuffer(mask, dtype="<i4")
+            ms = self.mask_staging
+            ms.begin(out.size)
+            section = ms.put(out)
+            ms.commit()
+            t.token_bitmask = ms.view(section).view(out.shape)
         return t
 
     def record_sampled(self, step: StepInputs, tokens: torch.Tensor, penalties: bool, history: bool = False) -> None:

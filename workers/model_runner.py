@@ -3,17 +3,21 @@
 `execute(plan)` applies the plan to the persistent batch (`workers.input_batch`), runs the model
 (a CUDA graph for decode steps, eagerly otherwise) and samples; it launches all of that on the
 device and returns at once with a `PendingOutput`, whose `get()` waits for the sampled tokens.
+A step whose grammar masks follow (`StepPlan.masks_follow`) stops after its logits; the next plan
+brings the masks, and its `execute` samples that step first, before anything of its own.
 Every rank samples the same tokens from the same gathered logits (one generator per rank, seeded
 alike), so each keeps its rows' last tokens on its own device; only rank 0's come back.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from distengine.config import EngineConfig
 from distengine.kv_cache.plan import KVCachePlan
-from distengine.step import RequestSampling, StepOutput, StepPlan
+from distengine.step import GrammarMasks, RequestSampling, StepOutput, StepPlan
 from distengine.worker_info import MemoryProfile
 from workers.cuda_graphs import DecodeGraphs
 from workers.input_batch import InputBatch, StepInputs
@@ -110,6 +114,14 @@ class PendingOutput:
                           {rid: p.rows() for rid, p in self.prompt_logprobs.items()} if self.prompt_logprobs else None)
 
 
+@dataclass
+class _Unsampled:
+    """A step run up to its logits, waiting on its grammar masks."""
+    step_id: int
+    step: StepInputs
+    logits: torch.Tensor
+
+
 class ModelRunner:
     """Built from a placed config (device, dtype and token budget resolved) and the engine's plan."""
 
@@ -129,6 +141,7 @@ class ModelRunner:
         self.prompt_logprobs: dict[str, PromptLogprobs] = {}  # requests whose prompt logprobs are being computed
         self.kv_pool: torch.Tensor | None = None
         self.num_blocks = 0
+        self._unsampled: _Unsampled | None = None  # a step whose masks follow
 
     # ---- KV cache ------------------------------------------------------------------------
     def profile_memory(self) -> MemoryProfile:
@@ -216,8 +229,27 @@ class ModelRunner:
         return self.model.compute_logits(self.model(inputs.input_ids, inputs.positions, inputs.metadata))
 
     # ---- the step ------------------------------------------------------------------------
-    def execute(self, plan: StepPlan) -> PendingOutput | None:
-        """Launch one step; rank 0 gets a `PendingOutput` when something is sampled."""
+    def execute(self, plan: StepPlan) -> list[PendingOutput]:
+        """Launch one step (and first sample the step before it, when that one waited on the masks
+        this plan brings); rank 0 gets a `PendingOutput` for each step sampled, in step order."""
+        launched = []
+        masks = plan.grammar_masks
+        waiting, self._unsampled = self._unsampled, None
+        if waiting is not None:
+            if masks is None or masks.step_id != waiting.step_id:
+                got = "none" if masks is None else f"step {masks.step_id}'s"
+                raise ValueError(f"step {waiting.step_id} waits on its grammar masks; step {plan.step_id} "
+                                 f"brought {got}")
+            # Before the plan's changes to the batch: the rows are still those of that step.
+            launched.append(self._sample(waiting.step_id, waiting.step, waiting.logits, masks))
+            masks = None
+        elif masks is not None and masks.step_id != plan.step_id:
+            raise ValueError(f"step {plan.step_id} brought the grammar masks of step {masks.step_id}, which "
+                             f"does not wait on them")
+        launched.append(self._launch(plan, masks))
+        return [p for p in launched if p is not None]
+
+    def _launch(self, plan: StepPlan, masks: GrammarMasks | None) -> PendingOutput | None:
         batch = self.batch
         for rid in plan.finished_req_ids:
             batch.remove(rid)
@@ -231,16 +263,25 @@ class ModelRunner:
         step = batch.prepare(plan.scheduled, self.graphs.sizes if self.graphs else None)
         with torch.no_grad():
             logits = self._logits(step, plan)
-            if logits is None:
-                return None
-            t = batch.sampling_tensors(step, self.generator)
+        if logits is None:
+            return None
+        if plan.masks_follow:
+            self._unsampled = _Unsampled(plan.step_id, step, logits)
+            return None
+        return self._sample(plan.step_id, step, logits, masks)
+
+    def _sample(self, step_id: int, step: StepInputs, logits: torch.Tensor,
+                masks: GrammarMasks | None) -> PendingOutput | None:
+        batch = self.batch
+        with torch.no_grad():
+            t = batch.sampling_tensors(step, self.generator, masks.masks if masks is not None else None)
             out = sample(logits, t)
             batch.record_sampled(step, out.token_ids, t.any_penalties, t.adjust is not None and t.adjust.reads_history)
         done = {rid: self.prompt_logprobs.pop(rid) for rid in step.sample_req_ids
                 if rid in self.prompt_logprobs and self.prompt_logprobs[rid].complete}
         if self.tp.rank != 0:
             return None
-        return PendingOutput(plan.step_id, step.sample_req_ids, out, self.outputs, self.device.type == "cuda", done)
+        return PendingOutput(step_id, step.sample_req_ids, out, self.outputs, self.device.type == "cuda", done)
 
     def _prompt_chunks(self, plan: StepPlan, hidden: torch.Tensor) -> None:
         """The prompt logprobs of the step's prefill chunks that ask for them."""

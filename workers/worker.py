@@ -9,7 +9,8 @@ graphs, also a collective), then `execute()` once per step, and `shutdown()`.
 
 `execute(step)` launches the step and, for an overlapped step (`defer_output`), returns the
 output of the step launched before it: the device runs step N while the host sends its result
-back and the scheduler prepares step N+1.
+back and the scheduler prepares step N+1. A step whose grammar masks follow is sampled in the
+next call, which returns its output.
 """
 from __future__ import annotations
 
@@ -134,10 +135,17 @@ class Worker:
                 # Ray's compiled graph calls this from its own thread, whose current device is 0.
                 torch.cuda.set_device(self.device)
             plan = StepPlan.decode(step) if isinstance(step, bytes) else step
-            pending = self.runner.execute(plan)
+            if plan.masks_follow and not plan.defer_output:
+                raise ValueError(f"step {plan.step_id}: masks can follow only an overlapped step (defer_output)")
+            launched = self.runner.execute(plan)
+            this = [p for p in launched if p.step_id == plan.step_id]
             if not plan.defer_output:
-                return pending.get() if pending is not None else None
-            previous, self._pending = self._pending, pending
+                return this[0].get() if this else None
+            # The step before this one was launched in the last call, or sampled in this one (its
+            # masks came with this plan).
+            earlier = [p for p in launched if p.step_id != plan.step_id]
+            previous = self._pending if self._pending is not None else (earlier[0] if earlier else None)
+            self._pending = this[0] if this else None
             return previous.get() if previous is not None else None
         except Exception as e:
             raise RuntimeError(f"rank {self.rank}: {type(e).__name__}: {e}") from e
