@@ -38,6 +38,15 @@ def test_bench_latency(tiny, tmp_path, capsys):
                  "--output-json", str(out)]) == 0
     r = json.loads(out.read_text())["results"][0]
     assert r["n"] == 3 and math.isfinite(r["decode_step_s"]) and r["output_tok_s"] == pytest.approx(24 / r["avg_latency"])
+    # The KV blocks held at the peak: a prompt of several blocks is held once for its n completions.
+    peak = {}
+    for n in (1, 3):
+        assert main(["bench", "latency", "--model", tiny, "--device", "cpu", "--batch-size", "1", "--input-len", "96",
+                     "--output-len", "2", "--n", str(n), "--num-iters", "1", "--num-iters-warmup", "0",
+                     "--output-json", str(out)]) == 0
+        peak[n] = json.loads(out.read_text())["results"][0]["peak_kv_blocks"]
+    assert "B=1 peak KV blocks held" in capsys.readouterr().out
+    assert 0 < peak[1] < peak[3] < 2 * peak[1]
 
 
 def test_bench_throughput_random_and_dataset(tiny, tmp_path, capsys):

@@ -6,7 +6,8 @@ Per batch size it prints the whole batch's latency, the decode step (the median 
 which every sequence decodes) and the output tokens per second, each beside its roofline and the
 ratio. `--batch-size` takes several sizes, run on one engine. `--n` gives each prompt n
 completions (sampled at temperature 1, as vLLM's), which share the prompt's blocks: with
-`--output-len 1` the latency is the time to every completion's first token.
+`--output-len 1` the latency is the time to every completion's first token. The KV blocks held at
+the timed iterations' peak are printed too (a shared prompt counts once).
 """
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ def run(args) -> int:
                 llm.generate(prompts, params, use_tqdm=False)
             log: list = []
             llm.engine.step_log = log
+            llm.scheduler.peak_kv_usage = 0.0  # the timed iterations' own peak
             latencies = []
             for prompts in batches[args.num_iters_warmup:]:
                 t = time.perf_counter()
@@ -75,7 +77,8 @@ def run(args) -> int:
                                 output_tok_s=seqs * args.output_len / lat,
                                 roofline_output_tok_s=seqs * args.output_len / roof_lat,
                                 decode_tok_s=seqs / step, roofline_decode_tok_s=seqs / roof_step,
-                                hf_output_tok_s=hf.get(b)))
+                                hf_output_tok_s=hf.get(b),
+                                peak_kv_blocks=round(llm.scheduler.peak_kv_usage * (llm.info.num_blocks - 1))))
         info = bc.engine_summary(llm.info)
     device = info["device_name"]
     print(f"\n{device}, TP={args.tensor_parallel_size}; model {model}; in {args.input_len} / out {args.output_len}"
@@ -93,6 +96,7 @@ def run(args) -> int:
                   f"{r['output_tok_s'] / r['roofline_output_tok_s']:.2f}"),
                  (f"B={b} decode tok/s", f"{r['decode_tok_s']:.1f}", f"{r['roofline_decode_tok_s']:.1f}",
                   f"{r['decode_tok_s'] / r['roofline_decode_tok_s']:.2f}")]
+        rows.append((f"B={b} peak KV blocks held", f"{r['peak_kv_blocks']}", "", ""))
         if r["hf_output_tok_s"]:
             rows.append((f"B={b} HF generate tok/s", f"{r['hf_output_tok_s']:.1f}", "",
                          f"ours {r['output_tok_s'] / r['hf_output_tok_s']:.2f}x"))
