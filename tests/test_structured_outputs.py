@@ -275,3 +275,17 @@ def test_a_step_waiting_on_masks_gets_them_from_the_next_plan_or_nothing_runs(fo
             llm.engine.executor.execute(StepPlan(plan.step_id, plan.new_requests, plan.scheduled,
                                                  defer_output=True, masks_follow=True))
             llm.engine.executor.execute(StepPlan(plan.step_id + 1, defer_output=True))
+
+
+@pytest.mark.gpu
+def test_overlap_on_the_gpu_in_cuda_graphs(folder, plain_loop):
+    """On a GPU: decode steps replay CUDA graphs, and a step's logits wait in the graph's output
+    until the next plan's masks arrive; the tokens are the CPU loop's that is not overlapped."""
+    gpu = dict(device="cuda", gpu_memory_utilization=0.3)
+    plain, _ = _mixed_batch(folder, async_scheduling=False, **gpu)
+    outs, log = _mixed_batch(folder, async_scheduling=True, **gpu)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert len(log) <= max(len(o.token_ids) for o in outs) + 2
+    for o in (outs[0], outs[2], outs[3]):
+        assert o.finish_reason == "stop"
+    satisfies(json.loads(outs[0].text, strict=False))
