@@ -95,15 +95,39 @@ def _xgrammar_grammar(kind: str, text: str):
     return xgr.Grammar.from_ebnf(text)
 
 
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_VALUES = ("enum", "const", "default", "examples")
+
+
+def _closed_objects(schema):
+    """`schema` with `"additionalProperties": false` in every object schema that lists properties
+    and says nothing of others: a schema as xgrammar reads it (strict), and vLLM's guidance backend
+    with disable_additional_properties, so that it means the same under either library (a bare
+    `{"type": "object"}` still allows any object)."""
+    if isinstance(schema, list):
+        return [_closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):  # names to schemas (not a schema itself)
+            out[key] = {name: _closed_objects(s) for name, s in value.items()}
+        elif key in _SCHEMA_VALUES:  # JSON values, not schemas
+            out[key] = value
+        else:
+            out[key] = _closed_objects(value)
+    if ("properties" in out or "patternProperties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def _guidance_grammar(kind: str, text: str) -> str:
     """The spec as llguidance's grammar (its JSON text; `_guidance_checked` checks it), as vLLM's
-    guidance backend writes it: JSON with flexible whitespace, a grammar as Lark (or GBNF, which
-    llguidance converts)."""
+    guidance backend writes it: JSON with flexible whitespace and objects closed as xgrammar reads
+    them (`_closed_objects`), a grammar as Lark (or GBNF, which llguidance converts)."""
     import llguidance as llg
     if kind in ("json", "json_object"):
-        if kind == "json":
-            json.loads(text)
-        schema = text if kind == "json" else '{"type": "object"}'
+        schema = json.dumps(_closed_objects(json.loads(text))) if kind == "json" else '{"type": "object"}'
         return llg.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": True})
     if kind == "regex":
         return llg.LLMatcher.grammar_from_regex(text)

@@ -268,6 +268,25 @@ def test_the_library_of_each_spec():
         check(so(regex="(ab"), "xgrammar")
 
 
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_a_schema_means_the_same_under_either_library(tokenizer, library):
+    """An object schema that lists properties allows no others unless it says so (xgrammar's strict
+    reading, given to llguidance too); a bare object schema allows any object."""
+    grammars = GrammarCompiler(tokenizer, 512, frozenset({tokenizer.eos_token_id}), backend=library)
+    closed = {"type": "object", "properties": {"a": {"type": "integer"},
+                                               "properties": {"type": "object", "properties": {}}}}
+    cases = [(closed, '{"a": 1, "properties": {}}', True), (closed, '{"a": 1, "b": 2}', False),
+             (closed, '{"properties": {"x": 1}}', False),
+             ({**closed, "additionalProperties": True}, '{"a": 1, "b": 2}', True),
+             ({"type": "object"}, '{"a": 1, "b": 2}', True),
+             ({"type": "array", "items": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+              '[{"x": 1, "y": 2}]', False)]
+    for schema, doc, ok in cases:
+        g = grammars.matcher(so(json=schema), [])
+        accepted = all(g.accept(t) for t in tokenizer(doc)["input_ids"]) and g.accept(tokenizer.eos_token_id)
+        assert accepted == ok and g.terminated == ok, (schema, doc)
+
+
 def _token(tok, text: str) -> int:
     ids = tok.convert_tokens_to_ids([text])
     assert ids[0] != tok.unk_token_id and tok.decode(ids) == text
