@@ -126,7 +126,8 @@ class AsyncLLM:
         self.engine: EngineClient = client(self.config, self._on_message)
         self.info = self.engine.info
         self.metrics.record_cache_config(self.info.num_blocks, self.info.plan.block_size)
-        self.inputs = InputProcessor(self.tokenizer, self.info.vocab_size, self.max_model_len)
+        self.inputs = InputProcessor(self.tokenizer, self.info.vocab_size, self.max_model_len,
+                                     self.config.structured_outputs_backend)
 
     # ---- the event loop's side -------------------------------------------------------------
     def check(self, prompt, sampling_params: SamplingParams, index: int = 0) -> tuple[str | None, list[int]]:

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field, replace
 from distengine.worker_info import DeviceInfo
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+# Structured outputs' library (`distengine.structured_outputs`): "auto" picks one per kind of spec.
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
 
 
 def default_graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -60,6 +62,11 @@ class EngineConfig:
     # (symmetric memory, one shot), larger ones NCCL. Off by default here (unlike vLLM) until it is
     # validated end to end; see the README's tensor-parallel section.
     disable_custom_all_reduce: bool = True
+    # Structured outputs' library (vLLM's `--structured-outputs-config.backend`): "auto" uses
+    # llguidance for JSON schemas, JSON objects, regexes and choices (its bitmask fill is the
+    # faster) and xgrammar for grammars (EBNF, as vLLM's default reads them); "xgrammar" or
+    # "guidance" (llguidance; grammars are then Lark) for every spec. A request may name its own.
+    structured_outputs_backend: str = "auto"
 
     @classmethod
     def create(cls, model: str, **options) -> "EngineConfig":
@@ -130,6 +137,8 @@ class EngineConfig:
              "'auto', 'cuda' or 'cpu'")
         want("placement_strategy", self.placement_strategy in PLACEMENT_STRATEGIES, f"one of {PLACEMENT_STRATEGIES}")
         want("load_format", self.load_format in ("auto", "dummy"), "'auto' or 'dummy'")
+        want("structured_outputs_backend", self.structured_outputs_backend in STRUCTURED_OUTPUTS_BACKENDS,
+             f"one of {', '.join(repr(b) for b in STRUCTURED_OUTPUTS_BACKENDS)}")
         want("distributed_executor_backend", self.distributed_executor_backend in (None, "ray", "uni"),
              "None, 'ray' or 'uni'")
         if self.distributed_executor_backend == "uni" and (self.tensor_parallel_size > 1 or self.ray_address):

@@ -91,12 +91,13 @@ class EngineCore:
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, req: EngineRequest) -> None:
         """A request with structured outputs gets its matcher here, where the scheduler runs (a
-        spec the library cannot compile against the tokenizer is a ValueError naming it)."""
+        spec its library cannot compile against the tokenizer is a ValueError naming both)."""
         spec = req.sampling.structured_outputs
         if spec is not None:
             if self._grammars is None:
                 tokenizer, eos = load_tokenizer_and_eos(self.config)
-                self._grammars = GrammarCompiler(tokenizer, self.info.vocab_size, eos)
+                self._grammars = GrammarCompiler(tokenizer, self.info.vocab_size, eos,
+                                                 self.config.structured_outputs_backend)
             req.grammar = self._grammars.matcher(spec, req.sampling.stop_token_ids)
         self.scheduler.add_request(req)
 

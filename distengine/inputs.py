@@ -72,8 +72,9 @@ def as_params_list(sampling_params, n: int) -> list[SamplingParams]:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int) -> None:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, structured_outputs_backend: str = "auto") -> None:
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, int(vocab_size), max_model_len
+        self.structured_outputs_backend = structured_outputs_backend  # the engine's: which library checks a spec
 
     def token_ids(self, ids, field: str, at_most: int = MAX_TOKEN_IDS) -> list[int]:
         if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
@@ -148,7 +149,7 @@ class InputProcessor:
             if self.tokenizer is None:
                 raise ValueError(f"{field}.structured_outputs needs the model's tokenizer (this model has none)")
             try:
-                structured_outputs.check(sp.structured_outputs)
+                structured_outputs.check(sp.structured_outputs, self.structured_outputs_backend)
             except ValueError as e:
                 raise ValueError(f"{field}.{e}") from None
         if sp.logprobs is not None and sp.logprobs > self.vocab_size:

@@ -35,7 +35,8 @@ class LLM:
         self.scheduler = self.engine.scheduler
         self.executor = self.engine.executor
         self.max_model_len = self.config.max_model_len
-        self.inputs = InputProcessor(self.tokenizer, self.info.vocab_size, self.max_model_len)
+        self.inputs = InputProcessor(self.tokenizer, self.info.vocab_size, self.max_model_len,
+                                     self.config.structured_outputs_backend)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from numbers import Integral, Real
 from typing import Any
 
+from distengine.config import STRUCTURED_OUTPUTS_BACKENDS
 from distengine.limits import (MAX_INT, MAX_N, MAX_PROMPT_LOGPROBS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
                                MAX_STOP_TOKEN_IDS, MAX_TOKEN_IDS, bad_text)
 from distengine.step import MAX_BAD_WORD_TOKENS, RequestSampling
@@ -51,14 +52,17 @@ def _finite(v: Real) -> bool:
 @dataclass
 class StructuredOutputsParams:
     """What the output must match (vLLM's fields; exactly one set): a JSON schema (a dict or its
-    JSON text), a regular expression, one of a list of strings, an EBNF grammar (xgrammar's
-    dialect), or any JSON object (`json_object`). The engine compiles it against the model's
-    tokenizer when the request enters (`distengine.structured_outputs`)."""
+    JSON text), a regular expression, one of a list of strings, a grammar, or any JSON object
+    (`json_object`). The engine compiles it against the model's tokenizer when the request enters
+    (`distengine.structured_outputs`), with the library `backend` names: "xgrammar" (a grammar
+    is then EBNF, xgrammar's dialect) or "guidance" (llguidance; a grammar is then Lark); None or
+    "auto" leave it to the engine's `structured_outputs_backend`."""
     json: str | dict | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    backend: str | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -69,6 +73,10 @@ class StructuredOutputsParams:
         if len(given) != 1:
             raise ValueError("structured_outputs: exactly one of json, regex, choice, grammar, json_object must be "
                              f"set, got {', '.join(given) or 'none'}.")
+        if self.backend is not None and (not isinstance(self.backend, str)
+                                         or self.backend not in STRUCTURED_OUTPUTS_BACKENDS):
+            raise ValueError(f"structured_outputs.backend must be one of {', '.join(STRUCTURED_OUTPUTS_BACKENDS)} "
+                             f"(or None), got {self.backend!r:.40}.")
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise ValueError(f"structured_outputs.json must be a JSON schema (a dict or its JSON text), got "
                              f"{type(self.json).__name__}.")

@@ -1,7 +1,9 @@
 """Structured outputs through `distengine serve` with the real `openai` client, on the tiny model
 with a byte-level tokenizer: response_format (json_schema, json_object) on chat and completions,
-vLLM's structured_outputs object and guided_* names, streaming; bad schemas, two forms in one
-request, another backend and beam search are 400s naming the field, and the server serves on."""
+vLLM's structured_outputs object and guided_* names, streaming, a request naming its library
+(xgrammar or guidance) and grammars in each one's syntax; bad schemas (naming the library), two
+forms in one request, an unknown backend and beam search are 400s naming the field, and the server
+serves on."""
 from __future__ import annotations
 
 import json
@@ -14,7 +16,7 @@ pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 from tests.server_harness import Server, build_byte_level_model  # noqa: E402
-from tests.test_structured_outputs import SCHEMA, satisfies  # noqa: E402
+from tests.test_structured_outputs import GRAMMARS, SCHEMA, satisfies  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "give me JSON"}]
 # Greedy with a penalty: the random model does not loop on whitespace.
@@ -47,7 +49,10 @@ def test_structured_outputs_and_guided_names(server):
     c = server.client
     choices = ["yes", "no", "maybe so"]
     for extra in ({"structured_outputs": {"choice": choices}}, {"guided_choice": choices},
-                  {"guided_choice": choices, "guided_decoding_backend": "xgrammar"}):
+                  {"guided_choice": choices, "guided_decoding_backend": "xgrammar"},
+                  {"guided_choice": choices, "guided_decoding_backend": "guidance"},
+                  {"structured_outputs": {"choice": choices, "backend": "xgrammar"}},
+                  {"structured_outputs": {"choice": choices, "backend": "auto"}}):
         r = c.completions.create(model=server.name, prompt="x", temperature=1.0, seed=3, max_tokens=20, extra_body=extra, n=2)
         assert all(ch.text in choices and ch.finish_reason == "stop" for ch in r.choices), (extra, r)
     r = c.chat.completions.create(model=server.name, messages=MESSAGES, temperature=1.0, seed=1, max_tokens=30,
@@ -55,6 +60,12 @@ def test_structured_outputs_and_guided_names(server):
     assert re.fullmatch(r"[a-z]{3}-\d{2,4}", r.choices[0].message.content)
     r = c.completions.create(model=server.name, prompt="x", **GREEDY, extra_body={"guided_json": SCHEMA})
     satisfies(json.loads(r.choices[0].text, strict=False))
+    sums = r"\((?:[0-9]|[1-9][0-9])(?:\+(?:[0-9]|[1-9][0-9]))*\)"
+    for extra in ({"guided_grammar": GRAMMARS["xgrammar"]},  # auto: EBNF, through xgrammar
+                  {"structured_outputs": {"grammar": GRAMMARS["guidance"], "backend": "guidance"}},
+                  {"guided_grammar": GRAMMARS["guidance"], "guided_decoding_backend": "guidance"}):
+        r = c.completions.create(model=server.name, prompt="x", temperature=1.0, seed=5, max_tokens=40, extra_body=extra)
+        assert re.fullmatch(sums, r.choices[0].text), (extra, r)
 
 
 def test_streaming_with_a_schema(server):
@@ -66,13 +77,19 @@ def test_streaming_with_a_schema(server):
 
 @pytest.mark.parametrize("extra,field", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
-     "xgrammar cannot compile this JSON schema"),
+     "structured_outputs.json: llguidance cannot compile this JSON schema"),
+    ({"guided_json": {"type": "nope"}, "guided_decoding_backend": "xgrammar"},
+     "structured_outputs.json: xgrammar cannot compile this JSON schema"),
+    ({"structured_outputs": {"grammar": "start: nothing", "backend": "guidance"}},
+     "structured_outputs.grammar: llguidance cannot compile this grammar"),
     ({"guided_regex": "(ab"}, "structured_outputs.regex"),
     ({"structured_outputs": {"grammar": "root ::= nothing"}}, "structured_outputs.grammar"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "one structured-output form per request"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
      "one structured-output form per request"),
     ({"guided_choice": ["a"], "guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+    ({"structured_outputs": {"regex": "a", "backend": "llguidance"}},
+     "structured_outputs.backend: must be one of 'auto', 'xgrammar', 'guidance'"),
     ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
     ({"response_format": {"type": "structural_tag"}}, "response_format.type"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),

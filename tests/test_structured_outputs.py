@@ -1,9 +1,11 @@
 """Structured outputs through `LLM` on the tiny model with a byte-level tokenizer (random weights:
-only the grammar makes the text valid): a JSON schema, a regex, a choice, a JSON object and an
-EBNF grammar, greedy (with a penalty, so that the model does not loop on whitespace), with logprobs
-and seeded, with the overlapped scheduler on and off (xgrammar's JSON strings may hold raw
-control characters, as vLLM's outputs do: they are parsed with strict=False); several completions, a tiny pool (preemption);
-bad specs; a token the grammar rejects; the sampler's bitmask alone."""
+only the grammar makes the text valid): a JSON schema, a regex, a choice, a JSON object and a
+grammar (EBNF under xgrammar, Lark under llguidance), with each library, greedy (with a penalty,
+so that the model does not loop on whitespace), with logprobs and seeded, with the overlapped
+scheduler on and off (JSON strings may hold raw control characters, as vLLM's outputs do: they are
+parsed with strict=False); several completions, a tiny pool (preemption); bad specs, refused
+naming the library; a token the grammar rejects; the sampler's bitmask alone; which library serves
+which spec; stop tokens under both; one fill over rows of both libraries; the engine's option."""
 from __future__ import annotations
 
 import json
@@ -15,7 +17,7 @@ import torch
 
 from distengine import LLM, SamplingParams, StructuredOutputsParams
 from distengine.step import RequestSampling
-from distengine.structured_outputs import RequestGrammar
+from distengine.structured_outputs import GrammarCompiler, RequestGrammar, check, fill_bitmasks, library_for
 from tests.server_harness import build_byte_level_model
 from tests.test_engine import ray_cluster  # noqa: F401 - a fixture
 from workers.sampler import SamplingTensors, sample
@@ -27,6 +29,12 @@ SCHEMA = {"type": "object",
                          "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 3}},
           "required": ["name", "age", "color", "tags"], "additionalProperties": False}
 PROMPTS = ["user : give me JSON assistant :", "x"]
+LIBRARIES = ["xgrammar", "guidance"]
+# One grammar in each library's syntax: xgrammar's EBNF, llguidance's Lark.
+GRAMMARS = {"xgrammar": 'root ::= "(" num ("+" num)* ")"\nnum ::= [0-9] | [1-9] [0-9]',
+            "guidance": 'start: "(" num ("+" num)* ")"\nnum: /[0-9]/ | /[1-9][0-9]/'}
+BAD_GRAMMARS = {"xgrammar": "root ::= undefined_rule", "guidance": "start: undefined_rule"}
+NAMES = {"xgrammar": "xgrammar", "guidance": "llguidance"}
 
 
 def satisfies(value, schema=SCHEMA) -> None:
@@ -62,9 +70,18 @@ def _idle(llm) -> None:
     assert not llm.scheduler.requests and llm.scheduler.manager.usage == 0
 
 
-def test_json_schema(llm):
-    greedy = SamplingParams(temperature=0.0, frequency_penalty=1.0, max_tokens=150, structured_outputs=so(json=SCHEMA))
-    seeded = SamplingParams(temperature=1.0, seed=6, max_tokens=150, structured_outputs=so(json=json.dumps(SCHEMA)))
+@pytest.fixture(scope="module")
+def tokenizer(folder):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_json_schema(llm, library):
+    greedy = SamplingParams(temperature=0.0, frequency_penalty=1.0, max_tokens=150,
+                            structured_outputs=so(json=SCHEMA, backend=library))
+    seeded = SamplingParams(temperature=1.0, seed=6, max_tokens=150,
+                            structured_outputs=so(json=json.dumps(SCHEMA), backend=library))
     for sp in (greedy, seeded):
         for out in llm.generate(PROMPTS, sp, use_tqdm=False):
             c = out.outputs[0]
@@ -73,11 +90,12 @@ def test_json_schema(llm):
     _idle(llm)
 
 
-def test_regex_choice_object_grammar(llm):
-    cases = [(so(regex=r"[a-z]{3}-\d{2,4}"), lambda t: re.fullmatch(r"[a-z]{3}-\d{2,4}", t)),
-             (so(choice=["yes", "no", "maybe so"]), lambda t: t in ("yes", "no", "maybe so")),
-             (so(json_object=True), lambda t: isinstance(json.loads(t, strict=False), dict)),
-             (so(grammar='root ::= "(" num ("+" num)* ")"\nnum ::= [0-9] | [1-9] [0-9]'),
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_regex_choice_object_grammar(llm, library):
+    cases = [(so(regex=r"[a-z]{3}-\d{2,4}", backend=library), lambda t: re.fullmatch(r"[a-z]{3}-\d{2,4}", t)),
+             (so(choice=["yes", "no", "maybe so"], backend=library), lambda t: t in ("yes", "no", "maybe so")),
+             (so(json_object=True, backend=library), lambda t: isinstance(json.loads(t, strict=False), dict)),
+             (so(grammar=GRAMMARS[library], backend=library),
               lambda t: re.fullmatch(r"\((?:[0-9]|[1-9][0-9])(?:\+(?:[0-9]|[1-9][0-9]))*\)", t))]
     for spec, ok in cases:
         for sp in (SamplingParams(temperature=0.0, repetition_penalty=2.0, logprobs=2, max_tokens=150,
@@ -107,17 +125,21 @@ def test_several_completions_and_a_tiny_pool(folder):
         _idle(llm)
 
 
-def test_bad_specs_are_refused_by_name(llm):
-    for spec, field in [(so(json={"type": "nope"}), "structured_outputs.json"),
-                        (so(json="{not json"), "structured_outputs.json"),
-                        (so(json={"type": "object", "default": {1, 2}}), "structured_outputs.json"),
-                        (so(regex="(ab"), "structured_outputs.regex"),
-                        (so(grammar="root ::= undefined_rule"), "structured_outputs.grammar")]:
-        with pytest.raises(ValueError, match=re.escape(field) + ": (xgrammar cannot compile|the schema is not JSON)"):
-            llm.generate(PROMPTS, SamplingParams(structured_outputs=spec), use_tqdm=False)
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_bad_specs_are_refused_by_name(llm, library):
+    name = NAMES[library]
     out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=so(
-        choice=["ok"])), use_tqdm=False)
+        choice=["ok"], backend=library)), use_tqdm=False)  # (the engine's compiler is made by now)
     assert out[0].outputs[0].text == "ok"
+    for spec, field in [(so(json={"type": "nope"}, backend=library), "structured_outputs.json"),
+                        (so(json="{not json", backend=library), "structured_outputs.json"),
+                        (so(json={"type": "object", "default": {1, 2}}, backend=library), "structured_outputs.json"),
+                        (so(regex="(ab", backend=library), "structured_outputs.regex"),
+                        (so(grammar=BAD_GRAMMARS[library], backend=library), "structured_outputs.grammar")]:
+        with pytest.raises(ValueError, match=re.escape(field) + f": ({name} cannot compile|the schema is not JSON)"):
+            llm.generate(PROMPTS, SamplingParams(structured_outputs=spec), use_tqdm=False)
+        with pytest.raises(ValueError, match=re.escape(field) + f": ({name} cannot compile|the schema is not JSON)"):
+            llm.engine._grammars.compile(spec)  # the engine's own compile, against the tokenizer
     _idle(llm)
 
 
@@ -130,6 +152,9 @@ def test_params_are_checked():
         so(choice="yes")
     with pytest.raises(ValueError, match="structured_outputs.json must be a JSON schema"):
         so(json=3)
+    for bad in ("outlines", "llguidance", "", 3):
+        with pytest.raises(ValueError, match="structured_outputs.backend must be one of auto, xgrammar, guidance"):
+            so(regex="a", backend=bad)
     with pytest.raises(ValueError, match="ignore_eos cannot be used with structured_outputs"):
         SamplingParams(ignore_eos=True, structured_outputs=so(regex="a"))
     with pytest.raises(ValueError, match="min_tokens cannot be used with structured_outputs"):
@@ -184,19 +209,22 @@ def test_sampler_bars_exactly_the_masked_tokens(kind):
     assert out.token_ids[3] == 1 or kind != "greedy"  # the unmasked row keeps its favourite
 
 
-def test_bitmask_bars_the_padded_vocabulary_and_travels_exactly(folder):
-    from transformers import AutoTokenizer
+def _bits(mask: bytes) -> np.ndarray:
+    return np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")
 
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_bitmask_bars_the_padded_vocabulary_and_travels_exactly(tokenizer, library):
     from distengine.step import GrammarMasks, ScheduledRequest, StepPlan
-    from distengine.structured_outputs import GrammarCompiler, fill_bitmasks
-    tok = AutoTokenizer.from_pretrained(folder)
-    vocab = 512  # the model's, padded past the tokenizer's
+    tok = tokenizer
+    vocab = 500  # the model's, padded past the tokenizer's (and not a whole number of words)
     assert len(tok) < vocab
-    grammars = GrammarCompiler(tok, vocab, frozenset({tok.eos_token_id}))
+    grammars = GrammarCompiler(tok, vocab, frozenset({tok.eos_token_id}), backend=library)
     g = grammars.matcher(so(regex=r".+"), [])
+    assert g.library == library
     mask, = fill_bitmasks([g])
-    bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")
-    assert len(bits) == vocab and not bits[len(tok):].any() and bits[:len(tok)].sum() > 200
+    bits = _bits(mask)
+    assert len(mask) == 4 * -(-vocab // 32) and not bits[len(tok):].any() and bits[:len(tok)].sum() > 200
     assert not bits[tok.eos_token_id]  # ".+" may not end before its first character
     assert grammars.compile(so(regex=r".+")) is grammars.compile(so(regex=r".+"))  # cached by spec
     plan = StepPlan(3, scheduled=[ScheduledRequest("a", 0, 2, [5, 6], [], True),
@@ -289,3 +317,127 @@ def test_overlap_on_the_gpu_in_cuda_graphs(folder, plain_loop):
     for o in (outs[0], outs[2], outs[3]):
         assert o.finish_reason == "stop"
     satisfies(json.loads(outs[0].text, strict=False))
+
+
+def test_the_library_of_each_spec():
+    specs = {"json": so(json=SCHEMA), "json_object": so(json_object=True), "regex": so(regex="a"),
+             "choice": so(choice=["a"]), "grammar": so(grammar='root ::= "a"')}
+    for kind, spec in specs.items():
+        assert library_for(spec) == ("xgrammar" if kind == "grammar" else "guidance"), kind
+        assert library_for(spec, "xgrammar") == "xgrammar" and library_for(spec, "guidance") == "guidance"
+        for library in LIBRARIES:  # a request's own choice wins; its "auto" is the engine's
+            named = so(**{k: v for k, v in vars(spec).items() if k != "backend"}, backend=library)
+            assert library_for(named, "xgrammar") == library_for(named, "guidance") == library
+        assert library_for(so(**{k: v for k, v in vars(spec).items() if k != "backend"}, backend="auto"),
+                           "xgrammar") == "xgrammar"
+    # The front end's check reads a spec as its library would: EBNF under auto, Lark under guidance.
+    check(so(grammar=GRAMMARS["xgrammar"]))
+    check(so(grammar=GRAMMARS["guidance"]), "guidance")
+    with pytest.raises(ValueError, match="structured_outputs.grammar: xgrammar cannot compile"):
+        check(so(grammar=GRAMMARS["guidance"]))
+    with pytest.raises(ValueError, match="structured_outputs.regex: llguidance cannot compile this regex"):
+        check(so(regex="(ab"))
+    with pytest.raises(ValueError, match="structured_outputs.regex: xgrammar cannot compile this regex"):
+        check(so(regex="(ab"), "xgrammar")
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_a_schema_means_the_same_under_either_library(tokenizer, library):
+    """An object schema that lists properties allows no others unless it says so (xgrammar's strict
+    reading, given to llguidance too); a bare object schema allows any object."""
+    grammars = GrammarCompiler(tokenizer, 512, frozenset({tokenizer.eos_token_id}), backend=library)
+    closed = {"type": "object", "properties": {"a": {"type": "integer"},
+                                               "properties": {"type": "object", "properties": {}}}}
+    cases = [(closed, '{"a": 1, "properties": {}}', True), (closed, '{"a": 1, "b": 2}', False),
+             (closed, '{"properties": {"x": 1}}', False),
+             ({**closed, "additionalProperties": True}, '{"a": 1, "b": 2}', True),
+             ({"type": "object"}, '{"a": 1, "b": 2}', True),
+             ({"type": "array", "items": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+              '[{"x": 1, "y": 2}]', False)]
+    for schema, doc, ok in cases:
+        g = grammars.matcher(so(json=schema), [])
+        accepted = all(g.accept(t) for t in tokenizer(doc)["input_ids"]) and g.accept(tokenizer.eos_token_id)
+        assert accepted == ok and g.terminated == ok, (schema, doc)
+
+
+def _token(tok, text: str) -> int:
+    ids = tok.convert_tokens_to_ids([text])
+    assert ids[0] != tok.unk_token_id and tok.decode(ids) == text
+    return ids[0]
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_stop_tokens_end_a_finished_grammar_under_either_library(tokenizer, library):
+    """The grammar may end with EOS or any of the request's stop_token_ids: those are allowed only
+    where it may end, a refused one leaves the matcher as it was, and accepting one terminates."""
+    tok = tokenizer
+    eos, stop, other = tok.eos_token_id, _token(tok, "x"), _token(tok, "y")
+    grammars = GrammarCompiler(tok, 512, frozenset({eos}), backend=library)
+    a, b = _token(tok, "a"), _token(tok, "b")
+    for ender, stops in ((stop, [stop]), (eos, [stop]), (eos, [])):
+        g = grammars.matcher(so(regex="ab+"), stops)
+        assert not g.accept(stop) and not g.accept(eos) and not g.accept(b)  # nothing changed:
+        assert g.accept(a) and g.accept(b) and g.num_accepted == 2 and not g.terminated
+        bits = _bits(fill_bitmasks([g])[0])
+        assert bits[b] and bits[eos] and bits[stop] == (stop in stops) and not bits[other] and not bits[a]
+        if ender not in stops and ender != eos:
+            continue
+        assert g.accept(ender) and g.terminated and g.num_accepted == 3
+    # A grammar that can take nothing more allows exactly the stop tokens.
+    g = grammars.matcher(so(choice=["ab"]), [stop, other])
+    assert all(g.accept(t) for t in tok("ab")["input_ids"]) and not g.terminated
+    assert set(np.flatnonzero(_bits(fill_bitmasks([g])[0]))) == {eos, stop, other}
+    assert g.accept(other) and g.terminated
+
+
+def test_one_fill_over_rows_of_both_libraries(tokenizer):
+    """Rows of both libraries in one call: each mask is the one its grammar gives alone, in order."""
+    tok = tokenizer
+    grammars = GrammarCompiler(tok, 512, frozenset({tok.eos_token_id}))  # auto: both libraries
+    doc = json.dumps({"name": "Ada", "age": 36, "color": "green", "tags": ["a", "bc"]})
+    specs = [so(json=SCHEMA), so(grammar=GRAMMARS["xgrammar"]), so(json=SCHEMA, backend="xgrammar"),
+             so(regex=r"[a-z]{3}-\d{2,4}"), so(choice=["yes", "no"], backend="xgrammar"), so(json_object=True)]
+    prefixes = [doc, "(1+2", doc, "abc-1", "y", '{"k": ']
+    rows = []
+    for k in range(3):  # several states of each
+        for spec, text in zip(specs, prefixes):
+            g = grammars.matcher(spec, [_token(tok, "x")])
+            for t in tok(text[:len(text) * k // 2])["input_ids"]:
+                assert g.accept(t), (spec, text, k)
+            rows.append(g)
+    assert {g.library for g in rows} == set(LIBRARIES)
+    together = fill_bitmasks(rows)
+    assert together == [fill_bitmasks([g])[0] for g in rows]
+    assert len(set(together)) > len(specs)  # the states differ
+
+
+def test_the_engine_option_and_the_serve_flag(folder):
+    from distengine.config import EngineConfig
+    from launch.serve import add_arguments
+    for bad in ("outlines", "llguidance", None):
+        with pytest.raises(ValueError, match="structured_outputs_backend must be one of 'auto', 'xgrammar', 'guidance'"):
+            EngineConfig.create(folder, structured_outputs_backend=bad)
+    assert EngineConfig.create(folder).structured_outputs_backend == "auto"
+    with pytest.raises(ValueError, match="structured_outputs_backend must be one of"):
+        GrammarCompiler(None, 512, frozenset(), backend="outlines")
+    import argparse
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert p.parse_args(["m"]).structured_outputs_backend == "auto"
+    assert p.parse_args(["m", "--structured-outputs-backend", "xgrammar"]).structured_outputs_backend == "xgrammar"
+    assert p.parse_args(["m", "--guided-decoding-backend", "guidance"]).structured_outputs_backend == "guidance"
+    with pytest.raises(SystemExit):
+        p.parse_args(["m", "--structured-outputs-backend", "outlines"])
+
+
+def test_an_engine_on_llguidance_reads_grammars_as_lark(folder):
+    with LLM(folder, device="cpu", dtype="float32", max_model_len=128, structured_outputs_backend="guidance") as llm:
+        sp = SamplingParams(temperature=1.0, seed=2, max_tokens=40, structured_outputs=so(grammar=GRAMMARS["guidance"]))
+        out = llm.generate(PROMPTS, sp, use_tqdm=False)
+        assert all(re.fullmatch(r"\((?:[0-9]|[1-9][0-9])(?:\+(?:[0-9]|[1-9][0-9]))*\)", o.outputs[0].text)
+                   for o in out), out
+        with pytest.raises(ValueError, match="structured_outputs.grammar: llguidance cannot compile"):
+            llm.generate(PROMPTS, SamplingParams(structured_outputs=so(grammar=BAD_GRAMMARS["guidance"])),
+                         use_tqdm=False)
+        assert llm.engine._grammars.backend == "guidance"
+        _idle(llm)

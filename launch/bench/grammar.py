@@ -6,9 +6,9 @@ times that fill for a batch of requests over a synthetic vocabulary of the size 
 ones (262,144 tokens: the 256 bytes, then random pieces of letters, digits, JSON punctuation and
 spaces, seeded), every request in another state of one JSON schema (each has accepted a different
 prefix of a valid document, byte by byte, and accepts its next byte each step, as the engine's
-matchers do before they fill): with xgrammar through the engine's own matcher
-(`fill_bitmasks`, the bytes the step carries included), and with llguidance's matcher
-when it imports. Also the schema's compile time against that vocabulary.
+matchers do before they fill): with each library, xgrammar and llguidance, through the engine's
+own matchers and `fill_bitmasks` (the bytes the step carries included), on the same vocabulary
+and states; then the ratio of the two. Also the schema's compile time against that vocabulary.
 """
 from __future__ import annotations
 
@@ -60,65 +60,63 @@ def _timed(step, repeats: int) -> list[float]:
     return out
 
 
-def bench_xgrammar(vocab: list[bytes], requests: int, repeats: int) -> dict:
-    import xgrammar as xgr
-
-    from distengine.sampling_params import StructuredOutputsParams
-    from distengine.structured_outputs import RequestGrammar, fill_bitmasks
-    eos = len(vocab) - 1
-    info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=len(vocab), stop_token_ids=[eos])
-    t0 = time.perf_counter()
-    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-    compiled = compiler.compile_json_schema(json.dumps(StructuredOutputsParams(json=SCHEMA).json))
-    compile_s = time.perf_counter() - t0
+def _walk(grammars: list, requests: int, repeats: int):
+    """Each request accepts its prefix of the document (token b is byte b); the step: every
+    request accepts its next byte, then the engine's fill, as one decode step of the engine."""
+    from distengine.structured_outputs import fill_bitmasks
     data, at = DOCUMENT.encode(), starts(requests, repeats)
-    grammars = []
-    for start in at:
-        g = RequestGrammar(xgr.GrammarMatcher(compiled, override_stop_tokens=[eos]), len(vocab))
-        assert all(g.accept(b) for b in data[:start])  # token b is byte b
-        grammars.append(g)
+    for g, start in zip(grammars, at):
+        assert all(g.accept(b) for b in data[:start])
 
     def step(k: int) -> None:
         for g, start in zip(grammars, at):
             assert g.accept(data[start + k])
         fill_bitmasks(grammars)
-    times = _timed(step, repeats)
+    return _timed(step, repeats)
+
+
+def bench_xgrammar(vocab: list[bytes], requests: int, repeats: int) -> dict:
+    import xgrammar as xgr
+
+    from distengine.sampling_params import StructuredOutputsParams
+    from distengine.structured_outputs import XGrammarMatcher, _key
+    eos = len(vocab) - 1
+    info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=len(vocab), stop_token_ids=[eos])
+    t0 = time.perf_counter()
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    compiled = compiler.compile_json_schema(_key(StructuredOutputsParams(json=SCHEMA))[1])
+    compile_s = time.perf_counter() - t0
+    grammars = [XGrammarMatcher(xgr.GrammarMatcher(compiled, override_stop_tokens=[eos]), len(vocab))
+                for _ in range(requests)]
+    times = _walk(grammars, requests, repeats)
     return {"library": f"xgrammar {version('xgrammar')}", "compile_s": compile_s, "step_ms": [t * 1e3 for t in times]}
 
 
-def bench_llguidance(vocab: list[bytes], requests: int, repeats: int) -> dict | None:
-    try:
-        import llguidance
-        import llguidance.numpy as lln
-    except ImportError:
-        return None
+def bench_llguidance(vocab: list[bytes], requests: int, repeats: int) -> dict:
+    import llguidance
+
+    from distengine.sampling_params import StructuredOutputsParams
+    from distengine.structured_outputs import GuidanceMatcher, _guidance_grammar, _key
+    eos = len(vocab) - 1
 
     class Tokens:  # what llguidance's TokenizerWrapper reads
-        eos_token_id, bos_token_id, special_token_ids = len(vocab) - 1, None, [len(vocab) - 1]
+        eos_token_id, bos_token_id, special_token_ids = eos, None, [eos]
         tokens = vocab
 
         def __call__(self, data: bytes) -> list[int]:
             return list(data)  # byte b is token b
 
     tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(Tokens()))
-    grammar = llguidance.grammar_from("json_schema", json.dumps(SCHEMA))
+    grammar = _guidance_grammar(*_key(StructuredOutputsParams(json=SCHEMA)))  # the engine's reading
     t0 = time.perf_counter()
-    matchers = [llguidance.LLMatcher(tokenizer, grammar)]
+    compiled = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
     compile_s = time.perf_counter() - t0
-    matchers += [matchers[0].deep_copy() for _ in range(requests - 1)]
-    data, at = DOCUMENT.encode(), starts(requests, repeats)
-    for m, start in zip(matchers, at):
-        assert m.consume_tokens(list(data[:start])), m.get_error()
-    bitmask = lln.allocate_token_bitmask(requests, len(vocab))
-
-    def step(k: int) -> None:
-        for i, (m, start) in enumerate(zip(matchers, at)):
-            assert m.consume_token(data[start + k]), m.get_error()
-            lln.fill_next_token_bitmask(m, bitmask, i)
-            bitmask[i].tobytes()  # as the step carries it
-    times = _timed(step, repeats)
-    return {"library": llguidance.get_version().split()[0].replace("@", " "),
-            "compile_s": compile_s, "step_ms": [t * 1e3 for t in times]}
+    assert not compiled.is_error(), compiled.get_error()
+    grammars = [GuidanceMatcher(compiled.deep_copy(), len(vocab), stops=frozenset({eos}), tokenizer_size=len(vocab))
+                for _ in range(requests)]
+    times = _walk(grammars, requests, repeats)
+    return {"library": f"llguidance {version('llguidance')}", "compile_s": compile_s,
+            "step_ms": [t * 1e3 for t in times]}
 
 
 def add_arguments(p) -> None:
@@ -129,19 +127,22 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from distengine.structured_outputs import _fill_threads
     vocab = synthetic_vocab(args.vocab_size)
-    results = [r for r in (bench_xgrammar(vocab, args.requests, args.repeats),
-                           bench_llguidance(vocab, args.requests, args.repeats)) if r is not None]
+    results = [bench_xgrammar(vocab, args.requests, args.repeats), bench_llguidance(vocab, args.requests, args.repeats)]
     if args.json:
         print(json.dumps(results))
         return 0
     print(f"accept one token and fill the bitmask, for {args.requests} requests (one JSON schema, each in another state), "
-          f"vocabulary of {len(vocab):,} tokens (xgrammar through the engine's fill on its threads, llguidance on one); {args.repeats} steps")
+          f"vocabulary of {len(vocab):,} tokens, through the engine's fill ({_fill_threads()} threads per library); "
+          f"{args.repeats} steps")
     for r in results:
         ms = r["step_ms"]
         print(f"  {r['library']:<18} median {statistics.median(ms):8.2f} ms/step (min {min(ms):.2f}, first "
               f"{ms[0]:.2f}; {statistics.median(ms) * 1e3 / args.requests:.0f} us/request); "
               f"compile {r['compile_s']:.2f} s")
+    xg, ll = (statistics.median(r["step_ms"]) for r in results)
+    print(f"  xgrammar / llguidance: {xg / ll:.2f}x the time per step")
     return 0
 
 

@@ -58,6 +58,11 @@ def add_arguments(p) -> None:
     p.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: $RAY_ADDRESS, else local)")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights, no checkpoint read (benchmarks)")
+    p.add_argument("--structured-outputs-backend", "--guided-decoding-backend", dest="structured_outputs_backend",
+                   default="auto", choices=["auto", "xgrammar", "guidance"],
+                   help="the library of structured outputs: auto (llguidance for JSON schemas, JSON objects, "
+                        "regexes and choices; xgrammar for EBNF grammars), xgrammar, or guidance (llguidance; "
+                        "grammars are then Lark); a request may name its own")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds requests in flight may take to finish after SIGTERM or Ctrl-C")
     p.add_argument("--disable-log-stats", action="store_true",
@@ -128,7 +133,7 @@ def run(args) -> int:
                           enable_prefix_caching=not args.no_enable_prefix_caching, enforce_eager=args.enforce_eager,
                           mamba_checkpoint_interval=args.mamba_checkpoint_interval,
                           dtype=args.dtype, device=args.device, ray_address=args.ray_address,
-                          load_format=args.load_format)
+                          load_format=args.load_format, structured_outputs_backend=args.structured_outputs_backend)
     except BaseException:
         sock.close()
         raise
