@@ -6,9 +6,11 @@ run, through `LLM.generate` (all at once, as `bench throughput`).
 
 The random model gets a synthetic byte-level tokenizer of --vocab tokens (Gemma's 262,144 by
 default): the grammar library's masks are as wide as a real tokenizer's, and every text a schema
-allows can be spelled. Both batches are greedy (with a frequency penalty) with `ignore_eos` off and the same prompts; a
-schema's request ends where its JSON does, so the figures compared are output tokens per second
-and the median decode step, not the wall time of the batch.
+allows can be spelled. The batches, unconstrained and one with the schema per library (`--backends`,
+each request naming its library), run in one engine, twice each, greedy (with a frequency
+penalty), `ignore_eos` off, on the same prompts; a schema's request ends where its JSON does, so
+the figures compared are output tokens per second and the median decode step, not the wall time
+of the batch.
 """
 from __future__ import annotations
 
@@ -61,6 +63,8 @@ def main() -> int:
     p.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
     p.add_argument("--device", default="auto")
     p.add_argument("--no-async-scheduling", action="store_true")
+    p.add_argument("--backends", nargs="+", default=["xgrammar", "guidance"], choices=["xgrammar", "guidance"],
+                   help="the libraries whose schema runs are timed, each in the same engine (default: both)")
     args = p.parse_args()
     from distengine import LLM, SamplingParams, StructuredOutputsParams
     from distengine.hf_config import load_hf_config
@@ -75,14 +79,15 @@ def main() -> int:
     # A penalty in both runs: random weights under a grammar that allows free whitespace would
     # otherwise repeat a blank forever.
     plain = SamplingParams(temperature=0.0, frequency_penalty=1.0, max_tokens=args.output_len)
-    schema = SamplingParams(temperature=0.0, frequency_penalty=1.0, max_tokens=args.output_len,
-                            structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    schemas = {f"schema, {b}": SamplingParams(temperature=0.0, frequency_penalty=1.0, max_tokens=args.output_len,
+                                              structured_outputs=StructuredOutputsParams(json=SCHEMA, backend=b))
+               for b in args.backends}
+    runs = [("unconstrained", plain), *schemas.items()]
     rows = []
     with LLM(folder, load_format=args.load_format, device=args.device, max_model_len=args.input_len + args.output_len,
              max_num_seqs=max(args.num_prompts, 8), async_scheduling=not args.no_async_scheduling) as llm:
         llm.engine.step_log = []
-        for name, sp in (("warm-up", plain), ("warm-up", schema), ("unconstrained", plain), ("JSON schema", schema),
-                         ("unconstrained", plain), ("JSON schema", schema)):
+        for name, sp in [("warm-up", sp) for _, sp in runs] + runs + runs:
             n = len(prompts) if name != "warm-up" else 8
             log_start = len(llm.engine.step_log)
             t = time.perf_counter()
@@ -91,21 +96,22 @@ def main() -> int:
             if name == "warm-up":
                 continue
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            valid = sum(_parses(o.outputs[0].text) for o in outs) if sp is schema else None
+            valid = sum(_parses(o.outputs[0].text) for o in outs) if sp is not plain else None
             steps = bc.decode_steps(llm.engine.step_log[log_start:], n)
             rows.append((name, tokens, elapsed, tokens / elapsed, bc.median(steps) * 1e3 if steps else float("nan"),
                          len(steps), valid))
         device = bc.engine_summary(llm.info)["device_name"]
     print(f"\n{args.shape} shape ({args.load_format} weights), a {args.vocab}-token synthetic tokenizer, "
           f"{args.num_prompts} requests of {args.input_len} prompt tokens, up to {args.output_len} out, greedy; {device}")
-    print(f"{'run':>14} {'out tokens':>11} {'seconds':>8} {'out tok/s':>10} {'median step ms':>15} {'steps':>6} "
+    print(f"{'run':>20} {'out tokens':>11} {'seconds':>8} {'out tok/s':>10} {'median step ms':>15} {'steps':>6} "
           f"{'valid JSON':>10}")
     for name, tokens, elapsed, rate, step, steps, valid in rows:
-        print(f"{name:>14} {tokens:>11} {elapsed:>8.2f} {rate:>10.1f} {step:>15.2f} {steps:>6} "
+        print(f"{name:>20} {tokens:>11} {elapsed:>8.2f} {rate:>10.1f} {step:>15.2f} {steps:>6} "
               f"{'' if valid is None else valid:>10}")
-    base = [r[3] for r in rows if r[0] == "unconstrained"]
-    constrained = [r[3] for r in rows if r[0] == "JSON schema"]
-    print(f"output tok/s with a schema / without: {max(constrained) / max(base):.3f} (best of two runs each)")
+    base = max(r[3] for r in rows if r[0] == "unconstrained")
+    for name in schemas:
+        best = max(r[3] for r in rows if r[0] == name)
+        print(f"output tok/s with a schema ({name.split(', ')[1]}) / without: {best / base:.3f} (best of two runs each)")
     return 0
 
 
