@@ -66,6 +66,7 @@ class StepRecord:
     num_seqs: int
     num_tokens: int
     decode_only: bool
+    mask_fill_s: float = 0.0  # the host's time filling grammar masks in this step (for the step before it, overlapped)
 
 
 class EngineCore:
@@ -125,7 +126,9 @@ class EngineCore:
     def _step(self) -> list[RequestUpdate]:
         sched = self.scheduler
         # The step launched last is running its forward; every token before it has been applied.
+        t0 = time.perf_counter()
         masks = sched.grammar_masks(self._masks_due) if self._masks_due is not None else None
+        fill_s = time.perf_counter() - t0 if masks is not None else 0.0
         self._masks_due = None
         plan = sched.schedule()
         plan.defer_output = self.config.async_scheduling
@@ -134,7 +137,9 @@ class EngineCore:
             if plan.defer_output:
                 plan.masks_follow = True
             else:
+                t0 = time.perf_counter()
                 plan.grammar_masks = sched.grammar_masks(plan.step_id)
+                fill_s = time.perf_counter() - t0
         if not plan.scheduled and not plan.finished_req_ids and not sched.has_in_flight():
             if sched.waiting and not sched.running:
                 head = sched.waiting[0]
@@ -153,7 +158,7 @@ class EngineCore:
             self._masks_due = plan.step_id
         if self.step_log is not None and plan.scheduled:
             self.step_log.append(StepRecord(time.perf_counter(), len(plan.scheduled), plan.num_tokens,
-                                            plan.num_tokens == len(plan.scheduled)))
+                                            plan.num_tokens == len(plan.scheduled), fill_s))
         if output is None:
             sched.forget_lost_steps(plan.step_id)  # the workers had nothing pending: no earlier output comes
             return sched.take_failed()

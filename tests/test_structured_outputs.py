@@ -256,7 +256,7 @@ def _mixed_batch(folder, **kw):
     """Seeded and greedy rows, one without a grammar: (each completion, the steps run)."""
     params = [SamplingParams(temperature=t, seed=s, max_tokens=150, frequency_penalty=1.0, structured_outputs=spec)
               for spec, t, s in zip(OVERLAP_SPECS, (1.0, 1.0, 0.0, 1.0), (6, 4, None, 5))]
-    with LLM(folder, device="cpu", dtype="float32", max_model_len=256, **kw) as llm:
+    with LLM(folder, **{"device": "cpu", "dtype": "float32", "max_model_len": 256, **kw}) as llm:
         log = llm.engine.step_log = []
         outs = [o.outputs[0] for o in llm.generate(OVERLAP_PROMPTS, params, use_tqdm=False)]
         _idle(llm)

@@ -6,11 +6,12 @@ run, through `LLM.generate` (all at once, as `bench throughput`).
 
 The random model gets a synthetic byte-level tokenizer of --vocab tokens (Gemma's 262,144 by
 default): the grammar library's masks are as wide as a real tokenizer's, and every text a schema
-allows can be spelled. The batches, unconstrained and one with the schema per library (`--backends`,
-each request naming its library), run in one engine, twice each, greedy (with a frequency
-penalty), `ignore_eos` off, on the same prompts; a schema's request ends where its JSON does, so
-the figures compared are output tokens per second and the median decode step, not the wall time
-of the batch.
+allows can be spelled. Per library (`--backends`, each request naming its library), in one engine,
+twice: the batch with the schema (greedy with a frequency penalty; a request ends where its JSON
+does or at --output-len), then the same prompts without it, each request generating exactly as
+many tokens as its JSON run did: the same tokens in both, so their times compare as output
+throughput. Also the median decode step of each and the host's mask fill per step (the engine's
+step log).
 """
 from __future__ import annotations
 
@@ -78,41 +79,50 @@ def main() -> int:
     prompts = bc.random_prompts(min(args.vocab, load_hf_config(folder).vocab_size), args.num_prompts, args.input_len, 0)
     # A penalty in both runs: random weights under a grammar that allows free whitespace would
     # otherwise repeat a blank forever.
-    plain = SamplingParams(temperature=0.0, frequency_penalty=1.0, max_tokens=args.output_len)
-    schemas = {f"schema, {b}": SamplingParams(temperature=0.0, frequency_penalty=1.0, max_tokens=args.output_len,
-                                              structured_outputs=StructuredOutputsParams(json=SCHEMA, backend=b))
-               for b in args.backends}
-    runs = [("unconstrained", plain), *schemas.items()]
+    def greedy(**kw):
+        return SamplingParams(temperature=0.0, frequency_penalty=1.0, **kw)
     rows = []
     with LLM(folder, load_format=args.load_format, device=args.device, max_model_len=args.input_len + args.output_len,
              max_num_seqs=max(args.num_prompts, 8), async_scheduling=not args.no_async_scheduling) as llm:
-        llm.engine.step_log = []
-        for name, sp in [("warm-up", sp) for _, sp in runs] + runs + runs:
-            n = len(prompts) if name != "warm-up" else 8
-            log_start = len(llm.engine.step_log)
+        log = llm.engine.step_log = []
+
+        def run(params):
+            start = len(log)
             t = time.perf_counter()
-            outs = llm.generate(prompts[:n], sp, use_tqdm=False)
-            elapsed = time.perf_counter() - t
-            if name == "warm-up":
-                continue
-            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            valid = sum(_parses(o.outputs[0].text) for o in outs) if sp is not plain else None
-            steps = bc.decode_steps(llm.engine.step_log[log_start:], n)
-            rows.append((name, tokens, elapsed, tokens / elapsed, bc.median(steps) * 1e3 if steps else float("nan"),
-                         len(steps), valid))
+            outs = llm.generate(prompts[:len(params)], params, use_tqdm=False)
+            return [o.outputs[0] for o in outs], time.perf_counter() - t, log[start:]
+
+        for backend in args.backends:  # warm-up: graphs, both libraries' tokenizers
+            run([greedy(max_tokens=8, structured_outputs=StructuredOutputsParams(json=SCHEMA, backend=backend))] * 8)
+        for _ in range(2):
+            for backend in args.backends:
+                spec = StructuredOutputsParams(json=SCHEMA, backend=backend)
+                outs, schema_s, steps = run([greedy(max_tokens=args.output_len, structured_outputs=spec)] * len(prompts))
+                # The same batch without the schema: every request as long as its JSON run was.
+                _, plain_s, plain_steps = run([greedy(max_tokens=len(o.token_ids), ignore_eos=True) for o in outs])
+                fills = [r.mask_fill_s for r in steps if r.mask_fill_s > 0]
+                rows.append((backend, sum(len(o.token_ids) for o in outs), schema_s, plain_s,
+                             _median_ms(bc.decode_steps(steps, len(prompts))),
+                             _median_ms(bc.decode_steps(plain_steps, len(prompts))), _median_ms(fills),
+                             sum(_parses(o.text) for o in outs)))
         device = bc.engine_summary(llm.info)["device_name"]
     print(f"\n{args.shape} shape ({args.load_format} weights), a {args.vocab}-token synthetic tokenizer, "
           f"{args.num_prompts} requests of {args.input_len} prompt tokens, up to {args.output_len} out, greedy; {device}")
-    print(f"{'run':>20} {'out tokens':>11} {'seconds':>8} {'out tok/s':>10} {'median step ms':>15} {'steps':>6} "
-          f"{'valid JSON':>10}")
-    for name, tokens, elapsed, rate, step, steps, valid in rows:
-        print(f"{name:>20} {tokens:>11} {elapsed:>8.2f} {rate:>10.1f} {step:>15.2f} {steps:>6} "
-              f"{'' if valid is None else valid:>10}")
-    base = max(r[3] for r in rows if r[0] == "unconstrained")
-    for name in schemas:
-        best = max(r[3] for r in rows if r[0] == name)
-        print(f"output tok/s with a schema ({name.split(', ')[1]}) / without: {best / base:.3f} (best of two runs each)")
+    print("each JSON-schema batch, then the same batch without it (every request as long as its JSON run: "
+          "the same tokens); steps: median of the full batch's decode steps")
+    print(f"{'library':>10} {'out tokens':>11} {'schema s':>9} {'plain s':>8} {'tok/s ratio':>12} "
+          f"{'schema step ms':>15} {'plain step ms':>14} {'mask fill ms':>13} {'valid JSON':>11}")
+    for backend, tokens, schema_s, plain_s, step, plain_step, fill, valid in rows:
+        print(f"{backend:>10} {tokens:>11} {schema_s:>9.2f} {plain_s:>8.2f} {plain_s / schema_s:>12.3f} "
+              f"{step:>15.2f} {plain_step:>14.2f} {fill:>13.2f} {valid:>11}")
+    for backend in args.backends:
+        best = max(r[3] / r[2] for r in rows if r[0] == backend)
+        print(f"output tok/s with a schema ({backend}) / without: {best:.3f} (best of two pairs)")
     return 0
+
+
+def _median_ms(values: list[float]) -> float:
+    return bc.median(values) * 1e3 if values else float("nan")
 
 
 def _parses(text: str) -> bool:
