@@ -68,11 +68,15 @@ def _walk(grammars: list, requests: int, repeats: int):
     for g, start in zip(grammars, at):
         assert all(g.accept(b) for b in data[:start])
 
+    accept_s: list[float] = []
+
     def step(k: int) -> None:
+        t0 = time.perf_counter()
         for g, start in zip(grammars, at):
             assert g.accept(data[start + k])
+        accept_s.append(time.perf_counter() - t0)
         fill_bitmasks(grammars)
-    return _timed(step, repeats)
+    return _timed(step, repeats), accept_s
 
 
 def bench_xgrammar(vocab: list[bytes], requests: int, repeats: int) -> dict:
@@ -88,8 +92,9 @@ def bench_xgrammar(vocab: list[bytes], requests: int, repeats: int) -> dict:
     compile_s = time.perf_counter() - t0
     grammars = [XGrammarMatcher(xgr.GrammarMatcher(compiled, override_stop_tokens=[eos]), len(vocab))
                 for _ in range(requests)]
-    times = _walk(grammars, requests, repeats)
-    return {"library": f"xgrammar {version('xgrammar')}", "compile_s": compile_s, "step_ms": [t * 1e3 for t in times]}
+    times, accept = _walk(grammars, requests, repeats)
+    return {"library": f"xgrammar {version('xgrammar')}", "compile_s": compile_s, "step_ms": [t * 1e3 for t in times],
+            "accept_ms": [t * 1e3 for t in accept]}
 
 
 def bench_llguidance(vocab: list[bytes], requests: int, repeats: int) -> dict:
@@ -114,9 +119,9 @@ def bench_llguidance(vocab: list[bytes], requests: int, repeats: int) -> dict:
     assert not compiled.is_error(), compiled.get_error()
     grammars = [GuidanceMatcher(compiled.deep_copy(), len(vocab), stops=frozenset({eos}), tokenizer_size=len(vocab))
                 for _ in range(requests)]
-    times = _walk(grammars, requests, repeats)
+    times, accept = _walk(grammars, requests, repeats)
     return {"library": f"llguidance {version('llguidance')}", "compile_s": compile_s,
-            "step_ms": [t * 1e3 for t in times]}
+            "step_ms": [t * 1e3 for t in times], "accept_ms": [t * 1e3 for t in accept]}
 
 
 def add_arguments(p) -> None:
@@ -124,23 +129,27 @@ def add_arguments(p) -> None:
     p.add_argument("--requests", type=int, default=128, help="requests with a grammar in one step")
     p.add_argument("--repeats", type=int, default=20, help="steps timed")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--threads", type=int, default=None,
+                   help="the fill's threads per library (default: the engine's, MAX_FILL_THREADS or the cores)")
 
 
 def run(args) -> int:
-    from distengine.structured_outputs import _fill_threads
+    import distengine.structured_outputs as so
+    if args.threads is not None:  # before the libraries' pools are made (on first use)
+        so.MAX_FILL_THREADS = args.threads
     vocab = synthetic_vocab(args.vocab_size)
     results = [bench_xgrammar(vocab, args.requests, args.repeats), bench_llguidance(vocab, args.requests, args.repeats)]
     if args.json:
         print(json.dumps(results))
         return 0
     print(f"accept one token and fill the bitmask, for {args.requests} requests (one JSON schema, each in another state), "
-          f"vocabulary of {len(vocab):,} tokens, through the engine's fill ({_fill_threads()} threads per library); "
+          f"vocabulary of {len(vocab):,} tokens, through the engine's fill ({so._fill_threads()} threads per library); "
           f"{args.repeats} steps")
     for r in results:
         ms = r["step_ms"]
         print(f"  {r['library']:<18} median {statistics.median(ms):8.2f} ms/step (min {min(ms):.2f}, first "
-              f"{ms[0]:.2f}; {statistics.median(ms) * 1e3 / args.requests:.0f} us/request); "
-              f"compile {r['compile_s']:.2f} s")
+              f"{ms[0]:.2f}; {statistics.median(ms) * 1e3 / args.requests:.0f} us/request), of which accepting "
+              f"the tokens {statistics.median(r['accept_ms']):.2f} ms; compile {r['compile_s']:.2f} s")
     xg, ll = (statistics.median(r["step_ms"]) for r in results)
     print(f"  xgrammar / llguidance: {xg / ll:.2f}x the time per step")
     return 0
