@@ -4,10 +4,10 @@ a matcher per request that says which tokens may come next.
 
 Which library serves a spec (`library_for`): the one the request names (`backend`), else the
 engine's `structured_outputs_backend`; "auto" gives llguidance the JSON schemas, JSON objects,
-regexes and choices, whose meaning does not depend on the library and whose bitmasks it fills
-faster (128 masks over a 262k vocabulary: ~6 ms on one thread against xgrammar's 19-27 ms, on
-this CI-class 2-core machine), and xgrammar the grammars (EBNF, as vLLM's default backend reads
-them; llguidance reads a grammar as Lark, as vLLM's "guidance" backend does).
+regexes and choices, whose meaning does not depend on the library and whose bitmasks it filled
+in half xgrammar's time in a served batch (docs/performance.md), and xgrammar the grammars (EBNF,
+as vLLM's default backend reads them; llguidance reads a grammar as Lark, as vLLM's "guidance"
+backend does).
 
 Everything here runs on the driver, beside the scheduler (`EngineCore`): the scheduler advances a
 request's matcher with each token the workers sampled (`RequestGrammar.accept`) and, for a step
