@@ -8,7 +8,7 @@ import pytest
 
 from distengine.model_config import (CHUNKED, FULL, MAMBA, SLIDING, ConfigError, builtin_names,
                                               load_config_dict, parse_model_config)
-from distengine.kv_cache.plan import make_plan, vllm_group_size
+from distengine.kv_cache.plan import LayerPlacement, make_plan, vllm_group_size
 from launch.cli import main
 from tests.helpers import plan_of
 
@@ -74,8 +74,8 @@ def test_bamba_block_size_is_raised_to_hold_a_mamba_state():
     assert make_plan(_parse("bamba-9b"), mamba_checkpoint_interval=200).groups[1].spec.checkpoint_interval == 352
     assert plan.bytes_per_request(4096) <= vllm.bytes_per_request(4096)
     assert plan.bytes_per_request(plan.max_model_len) <= vllm.bytes_per_request(plan.max_model_len)
-    for name, (gid, slot) in plan.layer_slots.items():
-        assert plan.groups[gid].layers[slot] == name
+    for name, place in plan.layer_slots.items():
+        assert place.sub_page == 0 and plan.groups[place.group_id].layers[place.slot] == name
 
 
 def test_group_size_rules():
@@ -104,7 +104,7 @@ def test_layout_buffers_shared_by_one_layer_of_every_group():
     for gid, group in enumerate(plan.groups):
         for slot, name in enumerate(group.layers):
             if name:
-                assert plan.layer_slots[name] == (gid, slot)
+                assert plan.layer_slots[name] == LayerPlacement(gid, slot)
     assert plan.block_bytes == 3 * plan.page_size_bytes
 
 
