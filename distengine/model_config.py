@@ -201,8 +201,15 @@ _MODEL_TYPE_DEFAULTS: dict[str, dict] = {
     "gemma3_text": {"head_dim": 256, "max_position_embeddings": 131072, "sliding_window_pattern": 6},
     "cohere2": {"sliding_window_pattern": 4},
     "llama4_text": {"no_rope_layer_interval": 4},
+    # Gemma4TextConfig's defaults (its full-attention layers' global_head_dim, 512, is applied
+    # per layer: `_per_layer_attention`).
+    "gemma4_text": {"head_dim": 256, "num_key_value_heads": 4, "max_position_embeddings": 131072,
+                    "sliding_window": 512, "sliding_window_pattern": 6},
 }
 _MODEL_TYPE_DEFAULTS["gemma3"] = _MODEL_TYPE_DEFAULTS["gemma3_text"]
+_MODEL_TYPE_DEFAULTS["gemma4"] = _MODEL_TYPE_DEFAULTS["gemma4_text"]
+_GEMMA4 = ("gemma4", "gemma4_text")
+_GEMMA4_GLOBAL_HEAD_DIM = 512  # Gemma4TextConfig's default global_head_dim
 _MODEL_TYPE_DEFAULTS["llama4"] = _MODEL_TYPE_DEFAULTS["llama4_text"]
 
 
@@ -244,9 +251,12 @@ def parse_model_config(cfg: dict, name: str = "model", kv_cache_dtype: str = "au
 
     names = [f"model.layers.{i}" for i in range(num_layers)]
     shared = _kv_sharing(text, kinds, names)
+    overrides = _per_layer_attention(text, kinds, mt)
 
     def attention(i: int, kind: str) -> LayerKV:
-        return LayerKV(name=names[i], kind=kind, num_kv_heads=int(kv_heads), head_dim=int(head_dim),
+        own = overrides.get(i, {})
+        return LayerKV(name=names[i], kind=kind, num_kv_heads=int(own.get("num_key_value_heads") or kv_heads),
+                       head_dim=int(own.get("head_dim") or head_dim),
                        window=int(window) if kind == SLIDING else 0, chunk=int(chunk) if kind == CHUNKED else 0,
                        kv_sharing_target=shared.get(i))
 
@@ -301,6 +311,14 @@ _PATTERN_KINDS = {"M": MAMBA, "*": FULL, "-": MLP, "E": MOE}
 
 
 def _layer_kinds(text: dict, cfg: dict, n: int) -> list[str]:
+    kinds = _layer_kinds_as_stated(text, cfg, n)
+    mt = text.get("model_type") or cfg.get("model_type") or ""
+    if mt in _GEMMA4 and kinds and kinds[-1] == SLIDING:
+        kinds[-1] = FULL  # Gemma4TextConfig forces the last layer to full attention
+    return kinds
+
+
+def _layer_kinds_as_stated(text: dict, cfg: dict, n: int) -> list[str]:
     mt = text.get("model_type") or cfg.get("model_type") or ""
     if text.get("hybrid_override_pattern"):  # Nemotron-H (published config.json files)
         pattern = text["hybrid_override_pattern"]
@@ -400,9 +418,35 @@ def deltanet_shape(text: dict) -> DeltaNetShape:
                          need("linear_value_head_dim"), need("linear_conv_kernel_dim"), _DTYPE_BYTES[state_dtype])
 
 
+def _per_layer_attention(text: dict, kinds: list[str], mt: str) -> dict[int, dict]:
+    """Per-layer KV heads and head size where they differ from the config's own (transformers'
+    `per_layer_config`: layer index -> overridden fields).
+
+    A config may state them explicitly (`per_layer_config`, as transformers 5 saves them). Else
+    Gemma 4's full-attention layers have `global_head_dim` (default 512), and
+    `num_global_key_value_heads` KV heads when `attention_k_eq_v` is set (Gemma4TextConfig's
+    rule: without k_eq_v they keep `num_key_value_heads`)."""
+    explicit = text.get("per_layer_config")
+    if isinstance(explicit, dict):
+        out = {}
+        for key, fields in explicit.items():
+            i = int(key)
+            if not 0 <= i < len(kinds):
+                raise ConfigError(f"per_layer_config names layer {key}; the model has {len(kinds)} layers")
+            out[i] = {k: v for k, v in (fields or {}).items() if k in ("head_dim", "num_key_value_heads")}
+        return out
+    if mt not in _GEMMA4:
+        return {}
+    fields: dict = {"head_dim": text.get("global_head_dim") or _GEMMA4_GLOBAL_HEAD_DIM}
+    if text.get("attention_k_eq_v") and text.get("num_global_key_value_heads"):
+        fields["num_key_value_heads"] = text["num_global_key_value_heads"]
+    return {i: fields for i, kind in enumerate(kinds) if kind == FULL}
+
+
 def _kv_sharing(text: dict, kinds: list[str], names: list[str]) -> dict[int, str]:
-    """Gemma-3n style: the last `num_kv_shared_layers` layers read the K/V of the last earlier
-    layer of the same kind."""
+    """Gemma-3n and Gemma 4: the last `num_kv_shared_layers` layers read the K/V of the last
+    earlier layer of the same kind (transformers' "reuse" layers; their target is the "store"
+    layer of that kind)."""
     n_shared = text.get("num_kv_shared_layers") or 0
     if not n_shared:
         return {}

@@ -4,19 +4,23 @@ from __future__ import annotations
 import json
 
 from distengine.model_config import MAMBA, load_config_dict, parse_model_config
-from distengine.kv_cache.plan import GIB, KVCachePlan, make_plan, vllm_plan
+from distengine.kv_cache.plan import GIB, PACKED, PADDED, VLLM, KVCacheGroup, KVCachePlan, make_plan, vllm_plan
 
 
-def _layer_list(layers: tuple[str | None, ...]) -> str:
+def _layer_list(group: KVCacheGroup) -> str:
     """Layer indices, one per layer (a Mamba state fills several slots), "-" per padding slot;
-    Falcon-H1's Mamba mixers show as "7m"."""
+    Falcon-H1's Mamba mixers show as "7m"; the layers sharing a packed page joined by "+"."""
     idx = []
+    layers = group.layers
     for i, name in enumerate(layers):
         if name is None:
             idx.append("-")
         elif i == 0 or layers[i - 1] != name:
             parts = name.split(".")
             idx.append(parts[2] + ("m" if parts[-1] == "mamba" else "") if len(parts) > 2 else name)
+    if group.per_slot > 1:
+        r = group.per_slot
+        idx = ["+".join(idx[j:j + r]) for j in range(0, len(idx), r)]
     return "layers " + ",".join(idx)
 
 
@@ -68,6 +72,13 @@ def run(args) -> int:
     print(f"block size {plan.block_size} tokens{raised}")
     print(f"page {plan.page_size_bytes:,} B (one layer slot of one block); a block is {plan.num_slots} pages side by "
           f"side, one per layer slot; one block id = {plan.block_bytes:,} B")
+    if plan.mixed_sizes:
+        how = {PACKED: "a smaller layer shares its page slot with others of its spec (layers a+b: sub-pages of one "
+                       "page)",
+               PADDED: "a smaller layer takes a whole page, the rest unused"}[plan.layout]
+        sizes = sorted({g.spec.page_size_bytes for g in plan.groups}, reverse=True)
+        print(f"layout: {plan.layout} pages (attention layers keep {', '.join(f'{s:,}' for s in sizes)} B per block of "
+              f"{plan.block_size} tokens; the page is the largest): {how}")
     if mamba_spec is not None:
         every = mamba_spec.checkpoint_interval
         print(f"Mamba: a state spans {mamba_spec.pages} page(s); prefix hits resolve to {plan.block_size} tokens; "
@@ -76,7 +87,8 @@ def run(args) -> int:
     print(f"group size {c.group_size} ({c.rule}): {c.num_groups} groups, {c.padding_slots} padding slots")
     print(f"  vLLM's rule: group size {b.group_size}: {b.num_groups} groups, {b.padding_slots} padding slots")
     for g in plan.groups:
-        print(f"  group {g.group_id:2d}  {g.spec.describe():32s} {_layer_list(g.layers)}"
+        size = f" {g.spec.page_size_bytes // 1024} KiB" if plan.mixed_sizes else ""
+        print(f"  group {g.group_id:2d}  {g.spec.describe() + size:36s} {_layer_list(g)}"
               + (f"  (padding {g.padding})" if g.padding else ""))
     if plan.shared_layers:
         print("  KV shared (no allocation): " + ", ".join(f"{k} -> {v}" for k, v in plan.shared_layers.items()))
@@ -88,9 +100,27 @@ def run(args) -> int:
         vllm = vllm_plan(plan)
         print(f"one request of {args.tokens} tokens holds blocks per group {data['blocks_per_group']} "
               f"(= {sum(data['blocks_per_group'])} blocks, null blocks excluded)")
+        block_sizes = "/".join(str(b) for b in sorted({g.spec.block_size for g in vllm.groups}))
         print(f"  bytes: ours {_size(data['bytes_per_request'])}; vLLM's layout {_size(data['vllm_rule_bytes_per_request'])} "
-              f"(block size {vllm.block_size}, blocks {vllm.blocks_per_group(args.tokens)}); {'unpooled' if mamba else 'uniform'} "
+              f"(block size {block_sizes}, blocks {vllm.blocks_per_group(args.tokens)}); {'unpooled' if mamba else 'uniform'} "
               f"{_size(data['uniform_bytes_per_request'])}")
+        layouts = data["layouts_bytes_per_request"]
+        if layouts:
+            ours, uni = data["bytes_per_request"], data["uniform_bytes_per_request"]
+            vl = layouts.get(VLLM)
+            parts = []
+            for name in (PACKED, PADDED, VLLM):
+                n = layouts.get(name)
+                label = {PACKED: "packed pages", PADDED: "padded pages", VLLM: "vLLM's layout"}[name]
+                chosen = " (chosen)" if name == plan.layout else ""
+                if n is None:
+                    parts.append(f"{label}: n/a (page sizes do not divide)")
+                    continue
+                vs = f", {n / vl:.2f}x vLLM's" if vl else ""
+                parts.append(f"{label}{chosen} {_size(n)} ({n / max(uni, 1):.3f}x uniform{vs})")
+            print("  layouts at this length: " + "; ".join(parts))
+            if vl:
+                print(f"  ours / vLLM's layout: {ours / vl:.3f}; ours / uniform: {ours / max(uni, 1):.3f}")
     return 0
 
 

@@ -1,14 +1,16 @@
 """The worker's KV cache, allocated exactly as the plan lays it out: one buffer of blocks, each
 block the pages of the plan's layer slots side by side (`[num_blocks, slots, page_bytes]`, bytes).
 A layer reads its slot(s) through its group's block tables: an attention layer its page as
-`[num_blocks, 2, block_size, kv_heads, head_dim]` (strided: one page of each block), a Mamba
-layer the pages its state spans as conv and SSM state views. Block 0 is the null block."""
+`[num_blocks, 2, block_size, kv_heads, head_dim]` (strided: one page of each block; in a packed
+page, its own sub-page, from `sub_page` x its page size; a smaller layer on a padded page, the
+start of the page), a Mamba layer the pages its state spans as conv and SSM state views. Block 0
+is the null block."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from distengine.kv_cache.plan import KVCachePlan
+from distengine.kv_cache.plan import KVCachePlan, LayerPlacement
 from distengine.kv_cache.specs import MambaSpec
 
 
@@ -21,24 +23,32 @@ def allocate_kv_cache(plan: KVCachePlan, layers: dict[str, nn.Module], num_block
     pool = torch.zeros(num_blocks, plan.num_slots, plan.page_size_bytes, dtype=torch.uint8, device=device)
     mamba = plan.mamba_group_ids
     esize = torch.empty((), dtype=dtype).element_size()
-    for name, (group_id, slot) in plan.layer_slots.items():
-        spec = plan.groups[group_id].spec
+    for name, place in plan.layer_slots.items():
+        spec = plan.groups[place.group_id].spec
         layer = layers[name]
         if isinstance(spec, MambaSpec):
-            pages = pool[:, slot:slot + spec.pages].reshape(num_blocks, spec.pages * plan.page_size_bytes)
-            layer.bind_state(pages, mamba.index(group_id), dtype)
+            pages = pool[:, place.slot:place.slot + spec.pages].reshape(num_blocks, spec.pages * plan.page_size_bytes)
+            layer.bind_state(pages, mamba.index(place.group_id), dtype)
         else:
-            layer.bind_kv_cache(_attention_view(pool, slot, plan, layer, dtype, esize), group_id)
+            layer.bind_kv_cache(_attention_view(pool, place, plan, layer, dtype, esize), place.group_id)
     for name, target in plan.shared_layers.items():
-        group_id, slot = plan.layer_slots[target]
-        layers[name].bind_kv_cache(_attention_view(pool, slot, plan, layers[name], dtype, esize), group_id)
+        place = plan.layer_slots[target]
+        layers[name].bind_kv_cache(_attention_view(pool, place, plan, layers[name], dtype, esize), place.group_id)
     return pool
 
 
-def _attention_view(pool: torch.Tensor, slot: int, plan: KVCachePlan, layer, dtype: torch.dtype,
+def _attention_view(pool: torch.Tensor, place: LayerPlacement, plan: KVCachePlan, layer, dtype: torch.dtype,
                     esize: int) -> torch.Tensor:
-    page = 2 * plan.block_size * layer.num_kv_heads * layer.head_dim * esize
-    if page != plan.page_size_bytes:
-        raise ValueError(f"the model's page ({page} B) differs from the plan's ({plan.page_size_bytes} B): "
-                         f"plan and model disagree on KV heads, head size or dtype")
-    return pool[:, slot].view(dtype).view(pool.shape[0], 2, plan.block_size, layer.num_kv_heads, layer.head_dim)
+    """The layer's K/V in every block: `[num_blocks, 2, block_size, kv_heads, head_dim]`, a view of
+    its bytes of its slot's page (contiguous within a block, strided across blocks)."""
+    spec = plan.groups[place.group_id].spec
+    page = 2 * spec.block_size * layer.num_kv_heads * layer.head_dim * esize
+    if page != spec.page_size_bytes:
+        raise ValueError(f"{layer.layer_name}: the model's page ({page} B) differs from the plan's "
+                         f"({spec.page_size_bytes} B): plan and model disagree on KV heads, head size or dtype")
+    start = place.sub_page * page
+    if start + page > plan.page_size_bytes:
+        raise ValueError(f"{layer.layer_name}: sub-page {place.sub_page} of {page} B lies outside the "
+                         f"{plan.page_size_bytes} B page")
+    raw = pool[:, place.slot, start:start + page]
+    return raw.view(dtype).view(pool.shape[0], 2, spec.block_size, layer.num_kv_heads, layer.head_dim)
