@@ -356,3 +356,36 @@ def test_qwen_shared_expert_joins_the_experts_stack(tmp_path):
     save_file(state, str(tmp_path / "model.safetensors"))
     with pytest.raises(MissingWeightsError, match=r"model.layers.0.mlp.shared_expert_gate.weight"):
         load_model(str(tmp_path), Qwen3_5MoeForCausalLM, TPGroup(), "float32", "cpu")
+
+
+def test_llama4_experts_layout_and_quantized_checkpoints(tmp_path):
+    """The checkpoint's experts [E, H, 2I] (gate columns, then up) and [E, I, H] load as rank 1's
+    halves of each expert's gate, up and down at TP=2, the shared expert in the slot after them;
+    q_proj's rows of each head reordered evens first; the router whole. A quantized checkpoint is
+    refused by name."""
+    from workers.models.llama4 import Llama4ForCausalLM
+    hf, _ = build("llama4_vl")
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    ff = "language_model.model.layers.1.feed_forward"
+
+    class Rank1:
+        world_size, rank = 2, 1
+    half = Llama4ForCausalLM(hf.config, Rank1(), torch.float32, torch.device("cpu"))
+    loaded = half.load_weights(state.items())
+    assert half.missing_weights(loaded) == []
+    experts = half.model.layers[1].feed_forward.experts
+    gate_up, down = state[f"{ff}.experts.gate_up_proj"], state[f"{ff}.experts.down_proj"]  # [4, 64, 256], [4, 128, 64]
+    assert experts.w13.shape == (4 + 1, 128, 64) and experts.shared_slots == 1
+    assert torch.equal(experts.w13[:4, :64], gate_up[:, :, 64:128].transpose(1, 2))
+    assert torch.equal(experts.w13[:4, 64:], gate_up[:, :, 192:].transpose(1, 2))
+    assert torch.equal(experts.w2[:4], down[:, 64:].transpose(1, 2))
+    assert torch.equal(experts.w13[4, :64], state[f"{ff}.shared_expert.gate_proj.weight"][64:])
+    assert torch.equal(experts.w2[4], state[f"{ff}.shared_expert.down_proj.weight"][:, 64:])
+    assert torch.equal(half.model.layers[1].feed_forward.router.weight, state[f"{ff}.router.weight"])
+    q = state["language_model.model.layers.1.self_attn.q_proj.weight"]  # 4 heads of 16; rank 1: heads 2, 3
+    perm = torch.cat([torch.arange(0, 16, 2), torch.arange(1, 16, 2)])
+    assert torch.equal(half.model.layers[1].self_attn.qkv_proj.weight[:16], q[32:48][perm])
+    text = transformers.Llama4TextConfig(**COMMON, **{**LLAMA4, "num_hidden_layers": 1, "no_rope_layers": [1]})
+    text.quantization_config = {"quant_method": "fbgemm_fp8"}
+    with pytest.raises(ValueError, match="'fbgemm_fp8'-quantized checkpoints are not supported"):
+        Llama4ForCausalLM(text, TPGroup(), torch.float32, torch.device("cpu"))

@@ -37,7 +37,8 @@ multimodal checkpoints keep the language model under `language_model.model.` and
 `language_model.lm_head.` (`model.language_model.` / a top-level `lm_head.` are read too); the
 vision tower (`vision_model.*`) and the projector (`multi_modal_projector.*`) are not read. The
 embeddings are tied as the text config's `tie_word_embeddings` says (transformers ties them so,
-also inside the multimodal wrapper).
+also inside the multimodal wrapper). Not read: experts stored one tensor per expert
+(`experts.{e}.gate_proj.weight`, ...), and quantized checkpoints (the FP8 ones), refused by name.
 """
 from __future__ import annotations
 
@@ -177,6 +178,12 @@ class Llama4ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config, tp: TPGroup, dtype, device, max_positions: int | None = None) -> None:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        for c in (config, text):
+            quant = getattr(c, "quantization_config", None) or {}
+            method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+            if method:
+                raise ValueError(f"Llama-4: {method!r}-quantized checkpoints are not supported yet (quantized "
+                                 f"weights are not built): use a bf16 checkpoint")
         super().__init__(text, tp, dtype, device, max_positions)
         self.hf_config = config
         self.multimodal = text is not config
