@@ -8,7 +8,10 @@ pairs are sorted by expert and each expert's run padded to whole BLOCK_M tiles (
 so a program multiplies one tile of rows that all use one expert's weights, and reads only the
 weights of experts that some token chose. The first launch gives [T*k, 2I] (gate | up), the
 activation kernel [T*k, I], the second launch [T*k, H] already scaled by the routing weights,
-and a sum over k (one more launch) gives [T, H]. Every shape is fixed by T, k, E and BLOCK_M (the alignment is one
+and a sum over k (one more launch) gives [T, H]. With `weight_input` (Llama-4, which scales each
+routed token's hidden state by its router score before the expert) the first launch scales its
+rows instead: x w W13^T = w (x W13^T) with no bias in between, so the activation sees the
+scaled input and the second launch leaves its rows as they are. Every shape is fixed by T, k, E and BLOCK_M (the alignment is one
 Triton program for a decode step's few pairs, torch ops of static shape beyond), so a decode
 step with experts is captured in a CUDA graph like any other. `fused_experts_ref` is the plain
 loop over experts (the engine's path on CPU, and the tests' oracle).
@@ -215,7 +218,7 @@ def _grouped_gemm(a, w, b, rows, block_expert, out, routed, a_row_div: int, cfg:
         num_stages=cfg["num_stages"], **pdl_args(a))
 
 
-def _check(x, w13, w2, topk_weights, topk_ids, b13, b2) -> None:
+def _check(x, w13, w2, topk_weights, topk_ids, b13, b2, weight_input: bool = False) -> None:
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"x must be [T, H], w13 [E, 2I, H] and w2 [E, H, I], got {tuple(x.shape)}, "
                          f"{tuple(w13.shape)}, {tuple(w2.shape)}")
@@ -228,6 +231,8 @@ def _check(x, w13, w2, topk_weights, topk_ids, b13, b2) -> None:
                          f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
     if b13 is not None and tuple(b13.shape) != (e, two_i) or b2 is not None and tuple(b2.shape) != (e, h):
         raise ValueError(f"biases must be [{e}, {two_i}] and [{e}, {h}]")
+    if weight_input and (b13 is not None or b2 is not None):
+        raise ValueError("weights on the experts' input need experts without biases (a bias would be scaled too)")
     for name, t in (("w13", w13), ("w2", w2), ("b13", b13), ("b2", b2)):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"{name} needs contiguous rows (last stride 1), got strides {t.stride()}")
@@ -259,11 +264,13 @@ def _sum_over_k(out: torch.Tensor, t: int, k: int) -> torch.Tensor:
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, act_and_mul, b13: torch.Tensor | None = None,
-                  b2: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+                  b2: torch.Tensor | None = None, config: dict | None = None,
+                  weight_input: bool = False) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], topk_weights / topk_ids
     [T, k] -> [T, H] in x's dtype; `act_and_mul` maps [R, 2I] -> [R, I] (e.g. silu(gate) * up).
-    Ids must lie in [0, E) (the router's top-k)."""
-    _check(x, w13, w2, topk_weights, topk_ids, b13, b2)
+    Ids must lie in [0, E) (the router's top-k). `weight_input`: the weights scale each pair's
+    input, sum_j W2 act(W13 (w_tj x_t)), rather than its output."""
+    _check(x, w13, w2, topk_weights, topk_ids, b13, b2, weight_input)
     t, k = topk_ids.shape
     e, two_i, h = w13.shape
     if t == 0:
@@ -271,20 +278,21 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     cfg = config or moe_config(t * k, e, x.element_size())
     rows, block_expert = moe_align(topk_ids, e, cfg["BLOCK_M"])
     x = x if x.stride(1) == 1 else x.contiguous()
+    routed = topk_weights.reshape(-1).contiguous()
     gate_up = torch.empty((t * k, two_i), dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, b13, rows, block_expert, gate_up, None, k, cfg)
+    _grouped_gemm(x, w13, b13, rows, block_expert, gate_up, routed if weight_input else None, k, cfg)
     inter = act_and_mul(gate_up)
     out = torch.empty((t * k, h), dtype=x.dtype, device=x.device)
-    _grouped_gemm(inter, w2, b2, rows, block_expert, out, topk_weights.reshape(-1).contiguous(), 1, cfg)
+    _grouped_gemm(inter, w2, b2, rows, block_expert, out, None if weight_input else routed, 1, cfg)
     return _sum_over_k(out, t, k)
 
 
 def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor, act_and_mul, b13: torch.Tensor | None = None,
-                      b2: torch.Tensor | None = None) -> torch.Tensor:
+                      b2: torch.Tensor | None = None, weight_input: bool = False) -> torch.Tensor:
     """The same sum as a loop over the experts that some token chose, in fp32 (fp64 for fp64
     inputs); the gated activation's input and output rounded to x's dtype as the kernel's are."""
-    _check(x, w13, w2, topk_weights, topk_ids, b13, b2)
+    _check(x, w13, w2, topk_weights, topk_ids, b13, b2, weight_input)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     t, k = topk_ids.shape
     out = torch.zeros((t, x.shape[1]), dtype=acc, device=x.device)
@@ -292,13 +300,14 @@ def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
     for e in torch.unique(flat).tolist():
         pairs = (flat == e).nonzero().flatten()
         tokens = pairs // k
-        h = x[tokens].to(acc) @ w13[e].to(acc).T
+        w = topk_weights.reshape(-1)[pairs].to(acc)[:, None]
+        h = (x[tokens].to(acc) * w if weight_input else x[tokens].to(acc)) @ w13[e].to(acc).T
         if b13 is not None:
             h = h + b13[e].to(acc)
         h = act_and_mul(h.to(x.dtype)).to(acc) @ w2[e].to(acc).T
         if b2 is not None:
             h = h + b2[e].to(acc)
-        out.index_add_(0, tokens, h * topk_weights.reshape(-1)[pairs].to(acc)[:, None])
+        out.index_add_(0, tokens, h if weight_input else h * w)
     return out.to(x.dtype)
 
 

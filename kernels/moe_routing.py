@@ -1,5 +1,6 @@
 """The router's choice in one launch: each token's k largest logits, their experts, and the
-softmax over those k (Granite's and gpt-oss's rule).
+softmax over those k (Granite's and gpt-oss's rule), or each one's sigmoid (`topk_sigmoid`,
+Llama-4's rule).
 
 Why a kernel: in torch it is a float cast, a top-k (a sort and a gather), a softmax and a cast
 back, five launches that wait for one another and cannot start early (no PDL); at batch 1 on an
@@ -11,7 +12,8 @@ A shared expert (Qwen3-Next's and Qwen3.5's, gated by sigmoid(x w)) joins as `sh
 of each token's choice: its gate's logit is the column after the experts', its parts the
 experts E .. E + shared - 1 (`FusedMoE` keeps a shared expert wider than one routed expert as
 several), each weighed by the sigmoid of that logit. So the experts' kernels compute it with the
-routed ones, rather than three more GEMVs and four elementwise launches a layer.
+routed ones, rather than three more GEMVs and four elementwise launches a layer. Llama-4's shared
+expert has no gate (`topk_sigmoid`): its slots weigh 1 and the logits have no column for it.
 
 Order and ties: experts come largest first, as `torch.topk` returns them; among equal logits the
 lower expert id first (torch leaves that order unspecified). Weights are computed in fp32,
@@ -25,13 +27,13 @@ import triton.language as tl
 
 from kernels.pdl import pdl_args, pdl_wait
 
-__all__ = ["topk_softmax", "topk_softmax_ref"]
+__all__ = ["topk_sigmoid", "topk_sigmoid_ref", "topk_softmax", "topk_softmax_ref"]
 
 
 @triton.jit
 def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, n_experts, stride_t,
                          K: tl.constexpr, K_P2: tl.constexpr, SHARED: tl.constexpr, BLOCK_E: tl.constexpr,
-                         PDL: tl.constexpr):
+                         SIGMOID: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
@@ -43,45 +45,65 @@ def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, n_experts, stride_t,
     for j in tl.static_range(K):
         m = tl.max(x, axis=0)
         i = tl.min(tl.where(x == m, cols, BLOCK_E), axis=0)  # the lowest id among equal logits
-        vals = tl.where(slots == j, tl.exp(m - top), vals)
+        if SIGMOID:
+            vals = tl.where(slots == j, tl.sigmoid(m), vals)
+        else:
+            vals = tl.where(slots == j, tl.exp(m - top), vals)
         ids = tl.where(slots == j, i.to(tl.int64), ids)
         x = tl.where(cols == i, float("-inf"), x)
-    w = vals / tl.sum(vals, axis=0)
+    if SIGMOID:
+        w = vals
+    else:
+        w = vals / tl.sum(vals, axis=0)
     keep = slots < K
     tl.store(weights_ptr + t * (K + SHARED) + slots, w.to(weights_ptr.dtype.element_ty), mask=keep)
     tl.store(ids_ptr + t * (K + SHARED) + slots, ids, mask=keep)
     if SHARED > 0:
-        gate = tl.sigmoid(tl.load(logits_ptr + t * stride_t + n_experts).to(tl.float32))
+        if SIGMOID:  # no gate: the shared expert weighs 1
+            gate = tl.full([], 1.0, tl.float32)
+        else:
+            gate = tl.sigmoid(tl.load(logits_ptr + t * stride_t + n_experts).to(tl.float32))
         for j in tl.static_range(SHARED):
             tl.store(weights_ptr + t * (K + SHARED) + K + j, gate.to(weights_ptr.dtype.element_ty))
             tl.store(ids_ptr + t * (K + SHARED) + K + j, (n_experts + j).to(tl.int64))
 
 
-def _check(logits: torch.Tensor, k: int, shared: int) -> int:
+def _check(logits: torch.Tensor, k: int, shared: int, gated: bool = True) -> int:
     """The number of routed experts (the logits' columns less the shared expert's gate)."""
     if logits.dim() != 2:
         raise ValueError(f"router logits must be [tokens, experts], got {tuple(logits.shape)}")
     if shared < 0:
         raise ValueError(f"shared expert slots must be 0 or more, got {shared}")
-    e = logits.shape[1] - (1 if shared else 0)
+    e = logits.shape[1] - (1 if shared and gated else 0)
     if not 1 <= k <= e:
         raise ValueError(f"experts per token must be 1 to {e} (the experts), got {k}")
     return e
 
 
-def topk_softmax(logits: torch.Tensor, k: int, dtype: torch.dtype, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] (any float dtype), or [T, E + 1] with the shared expert's gate last when
-    `shared` > 0 -> (weights [T, k + shared] in `dtype`, expert ids [T, k + shared] int64)."""
-    e = _check(logits, k, shared)
+def _topk(logits: torch.Tensor, k: int, dtype: torch.dtype, shared: int, sigmoid: bool):
+    e = _check(logits, k, shared, gated=not sigmoid)
     t = logits.shape[0]
     weights = torch.empty((t, k + shared), dtype=dtype, device=logits.device)
     ids = torch.empty((t, k + shared), dtype=torch.int64, device=logits.device)
     if t > 0:
         logits = logits if logits.stride(1) == 1 else logits.contiguous()
         _topk_softmax_kernel[(t,)](logits, weights, ids, e, logits.stride(0), K=k, K_P2=triton.next_power_of_2(k),
-                                   SHARED=shared, BLOCK_E=triton.next_power_of_2(e),
+                                   SHARED=shared, BLOCK_E=triton.next_power_of_2(e), SIGMOID=sigmoid,
                                    num_warps=4 if e <= 1024 else 8, **pdl_args(logits))
     return weights, ids
+
+
+def topk_softmax(logits: torch.Tensor, k: int, dtype: torch.dtype, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] (any float dtype), or [T, E + 1] with the shared expert's gate last when
+    `shared` > 0 -> (weights [T, k + shared] in `dtype`, expert ids [T, k + shared] int64)."""
+    return _topk(logits, k, dtype, shared, sigmoid=False)
+
+
+def topk_sigmoid(logits: torch.Tensor, k: int, dtype: torch.dtype, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama-4's choice: logits [T, E] -> each token's k largest, each weighed by its own
+    sigmoid (no normalisation over the k), then `shared` slots of weight 1 (an ungated shared
+    expert); (weights [T, k + shared] in `dtype`, expert ids [T, k + shared] int64)."""
+    return _topk(logits, k, dtype, shared, sigmoid=True)
 
 
 def topk_softmax_ref(logits: torch.Tensor, k: int, dtype: torch.dtype, shared: int = 0,
@@ -99,5 +121,18 @@ def topk_softmax_ref(logits: torch.Tensor, k: int, dtype: torch.dtype, shared: i
     if shared:
         gate = torch.sigmoid(logits[:, e:].float()).expand(-1, shared)
         weights = torch.cat([weights, gate], dim=1)
+        ids = torch.cat([ids, torch.arange(e, e + shared, device=ids.device).expand(ids.shape[0], -1)], dim=1)
+    return weights.to(dtype), ids
+
+
+def topk_sigmoid_ref(logits: torch.Tensor, k: int, dtype: torch.dtype,
+                     shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`topk_sigmoid` through torch: top-k of the logits, the sigmoid of each in fp32, then the
+    shared expert's slots of weight 1."""
+    e = _check(logits, k, shared, gated=False)
+    top, ids = logits.float().topk(k, dim=-1)
+    weights = torch.sigmoid(top)
+    if shared:
+        weights = torch.cat([weights, weights.new_ones(weights.shape[0], shared)], dim=1)
         ids = torch.cat([ids, torch.arange(e, e + shared, device=ids.device).expand(ids.shape[0], -1)], dim=1)
     return weights.to(dtype), ids

@@ -137,3 +137,28 @@ def test_moe_roofline_reads_only_the_chosen_experts(tmp_path, capsys):
                  "--output-len", "4", "--num-iters", "1", "--num-iters-warmup", "0",
                  "--output-json", str(tmp_path / "lat.json")]) == 0
     assert "the roofline assumes uniform routing" in capsys.readouterr().out
+
+
+def test_a_shape_cut_to_its_first_layers_runs_with_dummy_weights(tmp_path, capsys):
+    """--num-layers N: the random model of --shape keeps its first N layers and every width
+    (Llama-4-Scout's 48 layers fit no single GPU), its per-layer lists cut with it; `bench
+    latency --load-format dummy` runs on a Llama-4 shape so cut (RoPE and NoPE layers, experts
+    and a dense MLP, prompts longer than an attention chunk)."""
+    from launch.bench.common import shape_config
+    scout = shape_config("llama-4-scout", 8)
+    assert (scout.num_hidden_layers, scout.hidden_size, scout.num_local_experts, scout.attention_chunk_size) == \
+        (8, 5120, 16, 8192)
+    assert scout.no_rope_layers == [1, 1, 1, 0] * 2 and scout.moe_layers == list(range(8))
+    assert shape_config("qwen3.6-35b-a3b", 8).layer_types == (["linear_attention"] * 3 + ["full_attention"]) * 2
+    folder, out = tmp_path / "tl", tmp_path / "lat.json"
+    args = ["bench", "latency", "--shape", "tiny-llama4", "--num-layers", "4", "--load-format", "dummy",
+            "--device", "cpu", "--batch-size", "2", "--input-len", "20", "--output-len", "4", "--num-iters", "1",
+            "--num-iters-warmup", "0", "--output-json", str(out)]
+    assert main(args + ["--model-dir", str(folder)]) == 0
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 4 and cfg["architectures"] == ["Llama4ForCausalLM"]
+    assert cfg["no_rope_layers"] == [1, 1, 1, 0] and cfg["moe_layers"] == [1, 3]
+    assert not list(folder.glob("*.safetensors"))  # dummy weights: the config alone
+    assert math.isfinite(json.loads(out.read_text())["results"][0]["decode_step_s"])
+    assert main(args[:2] + ["--model", str(folder), "--num-layers", "4", "--device", "cpu"]) == 2
+    assert "--num-layers changes a random model of --shape" in capsys.readouterr().err

@@ -6,8 +6,9 @@ before the KV cache is sized. With two GPUs: TP=2 on Ray, with its all-reduces i
 (NCCL's, then the NVLink kernel fused with the norms), gives transformers' greedy tokens. Each
 on Gemma-3, on a Mamba hybrid (Bamba: the state pages of a decode are found on the device,
 inside the graph), on Granite-4.0-H with routed experts (their sort by expert inside the graph),
-on gpt-oss (sinks, biases, experts with biases) and on Qwen3.5-MoE (Gated DeltaNet states updated
-in place, gated attention, experts beside a gated shared expert)."""
+on gpt-oss (sinks, biases, experts with biases), on Qwen3.5-MoE (Gated DeltaNet states updated
+in place, gated attention, experts beside a gated shared expert) and on Llama-4 (chunked-local
+layers, the NoPE layers' query scale from the positions, experts scored on their input)."""
 from __future__ import annotations
 
 import pytest
@@ -24,7 +25,8 @@ ARGS = dict(device="cuda", dtype="float32", block_size=4, max_model_len=256, max
             gpu_memory_utilization=0.3)
 
 
-@pytest.fixture(scope="module", params=["gemma3", "bamba", "granitemoehybrid_moe", "gpt_oss", "qwen3_5_moe"])
+@pytest.fixture(scope="module", params=["gemma3", "bamba", "granitemoehybrid_moe", "gpt_oss", "qwen3_5_moe",
+                                                "llama4"])
 def model(request, tmp_path_factory):
     hf, _ = build(request.param)
     folder = tmp_path_factory.mktemp(request.param)

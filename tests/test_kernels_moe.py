@@ -8,7 +8,7 @@ import torch
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.fused_moe import (_grouped_gemm, fused_experts, fused_experts_ref, moe_align, moe_align_kernel,
                                moe_align_torch, moe_config, tokens_per_tile_band)
-from kernels.moe_routing import topk_softmax, topk_softmax_ref
+from kernels.moe_routing import topk_sigmoid, topk_sigmoid_ref, topk_softmax, topk_softmax_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
@@ -256,3 +256,62 @@ def test_the_layer_through_the_kernel_equals_its_reference():
     got = layer(x, logits)
     assert rel_err(got, want) < 1e-5
     assert rel_err(fused_experts(x, layer.w13, layer.w2, torch.softmax(top, dim=-1), ids, silu_and_mul), want) < 1e-5
+
+
+@pytest.mark.parametrize("impl", [topk_sigmoid, topk_sigmoid_ref], ids=["triton", "torch"])
+@pytest.mark.parametrize("shared", [0, 2])
+@pytest.mark.parametrize("k", [1, 3])
+def test_topk_sigmoid(impl, shared, k):
+    """Llama-4's choice: the k largest logits, each weighed by its own sigmoid (no softmax), and a
+    shared expert without a gate: its slots weigh 1 and the logits have no column for it."""
+    t, e = 5, 16
+    g = torch.Generator().manual_seed(k + shared)
+    logits = torch.stack([torch.randperm(e, generator=g) for _ in range(t)]).sub(e / 2).div(8).to(DEVICE)
+    weights, ids = impl(logits, k, torch.float32, shared)
+    top, want_ids = logits.double().topk(k, dim=-1)
+    assert ids.shape == weights.shape == (t, k + shared)
+    assert torch.equal(ids[:, :k].cpu(), want_ids.cpu())
+    assert torch.equal(ids[:, k:].cpu(), torch.arange(e, e + shared).expand(t, -1))
+    torch.testing.assert_close(weights[:, :k].double().cpu(), torch.sigmoid(top).cpu())
+    assert (weights[:, k:] == 1).all()
+    with pytest.raises(ValueError, match="experts per token must be 1 to 16"):
+        impl(logits, 17, torch.float32, shared)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_weights_on_the_experts_input(dtype):
+    """`weight_input` (Llama-4): sum_j W2 act(W13 (w_tj x_t)), the weight scaling each pair's input
+    (the first launch's rows) and not its output; the same through the layer; biases refused."""
+    from workers.layers.moe import FusedMoE
+    from workers.parallel import TPGroup
+    t, e, k, h, inter = 9, 5, 2, 32, 24
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(t, h, generator=g).to(DEVICE, dtype)
+    w13, w2 = expert_weights(e, inter, h, dtype, seed=3)
+    weights, ids = routing(t, e, k, seed=4)
+    weights = (weights * 3).to(dtype)  # far from 1, where input and output scaling differ most
+    ref = torch.zeros(t, h, dtype=torch.float64)
+    for p in range(t * k):
+        ex, tok = int(ids.flatten()[p]), p // k
+        a = w13[ex].double() @ (weights.flatten()[p].double() * x[tok].double())
+        ref[tok] += (w2[ex].double() @ (torch.nn.functional.silu(a[:inter]) * a[inter:])).cpu()
+    got = fused_experts(x, w13, w2, weights, ids, silu_and_mul, config=SMALL, weight_input=True)
+    assert rel_err(got.cpu(), ref) < TOL[dtype]
+    assert rel_err(fused_experts_ref(x, w13, w2, weights, ids, silu_and_mul_ref, weight_input=True).cpu(), ref) \
+        < TOL[dtype]
+    assert rel_err(fused_experts(x, w13, w2, weights, ids, silu_and_mul, config=SMALL).cpu(), ref) > 0.05
+    with pytest.raises(ValueError, match="without biases"):
+        fused_experts(x, w13, w2, weights, ids, silu_and_mul, b13=torch.zeros(e, 2 * inter, device=DEVICE,
+                                                                             dtype=dtype), weight_input=True)
+    layer = FusedMoE(e, 1, h, inter, "silu", TPGroup(), torch.float32, torch.device(DEVICE), "experts",
+                     shared_intermediate=inter, scoring="sigmoid", weight_input=True)
+    with torch.no_grad():
+        layer.w13.copy_(torch.randn(layer.w13.shape, generator=g) * 0.2)
+        layer.w2.copy_(torch.randn(layer.w2.shape, generator=g) * 0.2)
+    x = x.float()
+    logits = torch.randn(t, e, generator=g).to(DEVICE)
+    top, top_ids = logits.topk(1, dim=-1)
+    ids = torch.cat([top_ids, torch.full_like(top_ids, e)], dim=1)  # the shared expert's slot, weight 1
+    want = fused_experts_ref(x, layer.w13, layer.w2, torch.cat([torch.sigmoid(top), torch.ones_like(top)], 1), ids,
+                             silu_and_mul_ref, weight_input=True)
+    assert rel_err(layer(x, logits), want.double()) < 1e-5

@@ -260,7 +260,8 @@ def test_missing_weights(tmp_path):
 def test_registry_imports_no_model_at_import_time():
     code = ("import sys, workers.models as m; "
             "assert not [k for k in sys.modules if k.startswith('workers.models.')], sys.modules.keys(); "
-            "assert m.MODEL_REGISTRY['Gemma3ForConditionalGeneration'] == 'workers.models.gemma3:Gemma3ForCausalLM'")
+            "assert m.MODEL_REGISTRY['Gemma3ForConditionalGeneration'] == 'workers.models.gemma3:Gemma3ForCausalLM'; "
+            "assert m.MODEL_REGISTRY['Llama4ForConditionalGeneration'] == 'workers.models.llama4:Llama4ForCausalLM'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

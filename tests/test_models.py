@@ -103,6 +103,27 @@ CONFIGS = {
                                       "truncate": False, "original_max_position_embeddings": 128,
                                       "rope_theta": 150000.0})),
 }
+# Llama-4: chunks of 8 (a 40-token prompt crosses five), RoPE (chunked, qk L2 norm, llama3
+# scaling) and NoPE (global, temperature tuning with floor_scale 4, so that the query scale
+# changes every few positions) layers mixed, experts on every other layer (4 experts, 1 per token,
+# score on the input, a shared expert) and a dense MLP of its own width on the others; a larger
+# init spreads the router's logits, so that no top-1 choice rests on a near tie.
+LLAMA4 = dict(num_hidden_layers=4, no_rope_layers=[1, 0, 1, 1], attention_chunk_size=8, interleave_moe_layer_step=2,
+              num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=96, floor_scale=4, attn_scale=0.5,
+              eos_token_id=None, initializer_range=0.1,
+              rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                               "original_max_position_embeddings": 16, "rope_theta": 500000.0})
+LLAMA4_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                     patch_size=8, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)
+CONFIGS.update({
+    "llama4": ("Llama4TextConfig", "workers.models.llama4:Llama4ForCausalLM", LLAMA4),
+    # The published multimodal checkpoint (language_model.model.*, the vision tower unread); two
+    # experts per token and experts on every layer (moe_layers), a NoPE layer first.
+    "llama4_vl": ("Llama4Config", "workers.models.llama4:Llama4ForCausalLM",
+                  dict(text_config={**LLAMA4, "no_rope_layers": [0, 1, 1, 0], "num_experts_per_tok": 2,
+                                    "moe_layers": [0, 1, 2, 3]},
+                       vision_config=LLAMA4_VISION)),
+})
 # Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5): linear-attention and gated full-attention layers;
 # 2 key heads of 16 serving 4 value heads of 24 (Hv = 2 Hk, K != V); partial rotary (4 of the 16
 # dims of a head); a larger init spreads the routers' logits, so that no top-k choice rests on a
@@ -133,6 +154,18 @@ HYBRIDS = ["bamba", "nemotron_h", "falcon_h1", "falcon_h1_norm", "granitemoehybr
 GATED_DELTANET = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl"]
 
 
+def _text_only_forward(hf) -> None:
+    """transformers 5.24's Llama4ForConditionalGeneration.forward fails after its language model
+    has run (it reads `image_outputs` off the language model's output); without images it is its
+    language model's forward, which the references call instead."""
+    lm = hf.language_model
+
+    def forward(input_ids=None, pixel_values=None, **kwargs):
+        assert pixel_values is None
+        return lm(input_ids=input_ids, **kwargs)
+    hf.forward = forward
+
+
 def build(name: str, seed: int = 0, device: str = "cpu"):
     cls_name, ours_path, extra = CONFIGS[name]
     auto = transformers.AutoModelForCausalLM
@@ -148,6 +181,8 @@ def build(name: str, seed: int = 0, device: str = "cpu"):
         for n, p in hf.named_parameters():
             if "norm" in n or n.endswith("bias"):
                 p.copy_(torch.randn_like(p) * 0.5 + (1.0 if "norm" in n else 0.0))
+    if type(hf).__name__ == "Llama4ForConditionalGeneration":
+        _text_only_forward(hf)
     # transformers up to 5.17 fixes gpt-oss's clamp at 7 whatever the config says: the config's.
     for m in hf.modules():
         if type(m).__name__ == "GptOssExperts" and hasattr(config, "swiglu_limit"):
@@ -177,7 +212,7 @@ def test_prefill_logits_and_greedy_match_transformers(name):
     assert h.greedy(prompt, 32) == want
 
 
-@pytest.mark.parametrize("name", ["mistral", "qwen3", "gemma2", "gemma3", "cohere2", "gpt_oss", *HYBRIDS,
+@pytest.mark.parametrize("name", ["mistral", "qwen3", "gemma2", "gemma3", "cohere2", "gpt_oss", "llama4", *HYBRIDS,
                                   *GATED_DELTANET])
 def test_chunked_prefill_and_prefix_hit_equal_one_prefill(name):
     hf, ours = build(name, device=DEVICE)
@@ -321,3 +356,36 @@ def test_qwen_shared_expert_joins_the_experts_stack(tmp_path):
     save_file(state, str(tmp_path / "model.safetensors"))
     with pytest.raises(MissingWeightsError, match=r"model.layers.0.mlp.shared_expert_gate.weight"):
         load_model(str(tmp_path), Qwen3_5MoeForCausalLM, TPGroup(), "float32", "cpu")
+
+
+def test_llama4_experts_layout_and_quantized_checkpoints(tmp_path):
+    """The checkpoint's experts [E, H, 2I] (gate columns, then up) and [E, I, H] load as rank 1's
+    halves of each expert's gate, up and down at TP=2, the shared expert in the slot after them;
+    q_proj's rows of each head reordered evens first; the router whole. A quantized checkpoint is
+    refused by name."""
+    from workers.models.llama4 import Llama4ForCausalLM
+    hf, _ = build("llama4_vl")
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    ff = "language_model.model.layers.1.feed_forward"
+
+    class Rank1:
+        world_size, rank = 2, 1
+    half = Llama4ForCausalLM(hf.config, Rank1(), torch.float32, torch.device("cpu"))
+    loaded = half.load_weights(state.items())
+    assert half.missing_weights(loaded) == []
+    experts = half.model.layers[1].feed_forward.experts
+    gate_up, down = state[f"{ff}.experts.gate_up_proj"], state[f"{ff}.experts.down_proj"]  # [4, 64, 256], [4, 128, 64]
+    assert experts.w13.shape == (4 + 1, 128, 64) and experts.shared_slots == 1
+    assert torch.equal(experts.w13[:4, :64], gate_up[:, :, 64:128].transpose(1, 2))
+    assert torch.equal(experts.w13[:4, 64:], gate_up[:, :, 192:].transpose(1, 2))
+    assert torch.equal(experts.w2[:4], down[:, 64:].transpose(1, 2))
+    assert torch.equal(experts.w13[4, :64], state[f"{ff}.shared_expert.gate_proj.weight"][64:])
+    assert torch.equal(experts.w2[4], state[f"{ff}.shared_expert.down_proj.weight"][:, 64:])
+    assert torch.equal(half.model.layers[1].feed_forward.router.weight, state[f"{ff}.router.weight"])
+    q = state["language_model.model.layers.1.self_attn.q_proj.weight"]  # 4 heads of 16; rank 1: heads 2, 3
+    perm = torch.cat([torch.arange(0, 16, 2), torch.arange(1, 16, 2)])
+    assert torch.equal(half.model.layers[1].self_attn.qkv_proj.weight[:16], q[32:48][perm])
+    text = transformers.Llama4TextConfig(**COMMON, **{**LLAMA4, "num_hidden_layers": 1, "no_rope_layers": [1]})
+    text.quantization_config = {"quant_method": "fbgemm_fp8"}
+    with pytest.raises(ValueError, match="'fbgemm_fp8'-quantized checkpoints are not supported"):
+        Llama4ForCausalLM(text, TPGroup(), torch.float32, torch.device("cpu"))

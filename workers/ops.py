@@ -15,7 +15,7 @@ from kernels.mamba_conv import (causal_conv1d_update, causal_conv1d_update_ref, 
                                 causal_conv1d_varlen_ref)
 from kernels.mamba_ssd import ssd_scan_varlen, ssd_scan_varlen_ref
 from kernels.mamba_state_update import selective_state_update, selective_state_update_ref
-from kernels.moe_routing import topk_softmax, topk_softmax_ref
+from kernels.moe_routing import topk_sigmoid, topk_sigmoid_ref, topk_softmax, topk_softmax_ref
 from kernels.paged_attention import paged_attention
 from kernels.paged_attention_ref import paged_attention_ref
 from kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
@@ -40,6 +40,7 @@ gated_delta_varlen_op = _pick(gated_delta_varlen, gated_delta_varlen_ref)
 gated_delta_update_op = _pick(gated_delta_update, gated_delta_update_ref)
 fused_experts_op = _pick(fused_experts, fused_experts_ref)
 topk_softmax_op = _pick(topk_softmax, topk_softmax_ref)
+topk_sigmoid_op = _pick(topk_sigmoid, topk_sigmoid_ref)
 swiglu_oai_op = _pick(swiglu_oai_and_mul, swiglu_oai_and_mul_ref)
 ACTIVATIONS = {
     "silu": _pick(silu_and_mul, silu_and_mul_ref),
@@ -71,5 +72,5 @@ def act_and_mul(name: str):
 __all__ = ["linear_op", "rms_norm_op", "rotary_op", "store_kv_op", "paged_attention_op", "qk_norm_rope_op",
            "act_and_mul", "causal_conv1d_varlen_op", "causal_conv1d_update_op", "ssd_scan_varlen_op",
            "selective_state_update_op", "gated_rms_norm_op", "gated_delta_varlen_op", "gated_delta_update_op",
-           "fused_experts_op", "topk_softmax_op", "swiglu_oai_op",
+           "fused_experts_op", "topk_softmax_op", "topk_sigmoid_op", "swiglu_oai_op",
            "torch"]

@@ -47,6 +47,10 @@ SHAPES = {
     # (256 experts, 8 per token, beside a shared expert).
     "qwen3.6-27b": ("qwen3_5_text", ("qwen3.6-27b", {})),
     "qwen3.6-35b-a3b": ("qwen3_5_moe_text", ("qwen3.6-35b-a3b", {})),
+    # Llama-4-Scout's language model: 3 chunked-local (8192) RoPE layers : 1 global NoPE layer, 16
+    # experts (1 per token, scored on their input) beside a shared expert in every layer. Its 48
+    # layers (~215 GB in bf16) fit no single GPU: --num-layers 8 keeps every width (~40 GB).
+    "llama-4-scout": ("llama4_text", ("llama-4-scout", {})),
     # For tests on CPU.
     "tiny": ("gemma3_text", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
                                  num_key_value_heads=2, head_dim=16, sliding_window=16, vocab_size=512, **_GEMMA3)),
@@ -54,6 +58,11 @@ SHAPES = {
                                  num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16,
                                  mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16, vocab_size=512,
                                  max_position_embeddings=4096)),
+    "tiny-llama4": ("llama4_text", dict(hidden_size=64, intermediate_size=32, intermediate_size_mlp=96,
+                                        num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        attention_chunk_size=16, interleave_moe_layer_step=2, num_local_experts=4,
+                                        num_experts_per_tok=1, floor_scale=8, vocab_size=512,
+                                        max_position_embeddings=4096)),
     "tiny-granite-moe": ("granitemoehybrid", dict(hidden_size=64, intermediate_size=32, shared_intermediate_size=64,
                                                   num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
                                                   num_local_experts=8, num_experts_per_tok=2, num_attention_heads=4,
@@ -64,8 +73,31 @@ SHAPES = {
 }
 
 
-def shape_config(shape: str):
-    """The transformers config of a named shape."""
+# Per-layer fields of a config: lists with one entry per layer, and lists of layer indices.
+PER_LAYER_LISTS = ("layer_types", "layers_block_type", "no_rope_layers")
+LAYER_INDEX_LISTS = ("moe_layers", "attn_layer_indices", "mlp_only_layers")
+
+
+def with_layers(fields: dict, num_layers: int) -> dict:
+    """A shape's fields cut (or grown) to its first `num_layers` layers, every width kept: the
+    per-layer lists keep their first entries, the lists of layer indices those below it (a
+    pattern repeating every few layers, as Llama-4's RoPE / NoPE one, starts as the full model's)."""
+    if num_layers < 1:
+        raise ValueError(f"--num-layers must be >= 1, got {num_layers}")
+    out = dict(fields, num_hidden_layers=num_layers)
+    for key in PER_LAYER_LISTS:
+        if out.get(key):
+            if len(out[key]) < num_layers:
+                raise ValueError(f"{key} has {len(out[key])} entries: the shape has no layer {num_layers - 1}")
+            out[key] = list(out[key][:num_layers])
+    for key in LAYER_INDEX_LISTS:
+        if out.get(key) is not None:
+            out[key] = [i for i in out[key] if i < num_layers]
+    return out
+
+
+def shape_config(shape: str, num_layers: int | None = None):
+    """The transformers config of a named shape (its first `num_layers` layers when given)."""
     from transformers import AutoConfig
     model_type, fields = SHAPES[shape]
     if isinstance(fields, tuple):  # a built-in config, with changes
@@ -75,6 +107,8 @@ def shape_config(shape: str):
         fields = fields.get("text_config", fields)  # a multimodal checkpoint's language model
         fields = {k: v for k, v in fields.items() if k not in ("model_type", "architectures", "torch_dtype")}
         fields.update(changes)
+    if num_layers is not None:
+        fields = with_layers(fields, num_layers)
     return AutoConfig.for_model(model_type, **fields)
 
 def add_model_arguments(p) -> None:
@@ -82,8 +116,12 @@ def add_model_arguments(p) -> None:
                    help="a model folder or Hugging Face id (default: a random model of --shape, built once)")
     p.add_argument("--shape", default="gemma-3-12b", choices=sorted(SHAPES),
                    help="the random model's shape when --model is not given (default: %(default)s)")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="the random model's first N layers of --shape, every width kept (a model too large for "
+                        "the GPUs, e.g. llama-4-scout) (default: all of the shape's)")
     p.add_argument("--model-dir", default=None,
-                   help="where the random model is built (default: ~/.cache/distengine/bench-SHAPE)")
+                   help="where the random model is built (default: ~/.cache/distengine/bench-SHAPE, "
+                        "bench-SHAPE-NL with --num-layers N)")
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, help="tensor-parallel GPUs (default: 1)")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="(default: %(default)s)")
     p.add_argument("--dtype", default="auto", help="model dtype (default: the checkpoint's; bfloat16 on GPUs)")
@@ -112,21 +150,27 @@ def add_model_arguments(p) -> None:
 def resolve_model(args) -> str:
     if args.hf and args.load_format == "dummy":
         raise ValueError("--hf needs the checkpoint's weights: not with --load-format dummy")
+    num_layers = getattr(args, "num_layers", None)
     if args.model:
+        if num_layers is not None:
+            raise ValueError("--num-layers changes a random model of --shape: not with --model")
         return args.model
-    folder = args.model_dir or os.path.join(os.path.expanduser("~"), ".cache", "distengine", f"bench-{args.shape}")
+    name = f"bench-{args.shape}" + (f"-{num_layers}L" if num_layers is not None else "")
+    folder = args.model_dir or os.path.join(os.path.expanduser("~"), ".cache", "distengine", name)
     if not os.path.exists(os.path.join(folder, "config.json")):
-        build_random_model(folder, args.shape, args.device, weights=args.load_format != "dummy")
+        build_random_model(folder, args.shape, args.device, weights=args.load_format != "dummy", num_layers=num_layers)
     return folder
 
 
-def build_random_model(folder: str, shape: str, device: str = "auto", weights: bool = True) -> None:
-    """A model of a named shape with transformers' random initialisation, saved in bf16 (only its
-    config.json without `weights`, for --load-format dummy)."""
+def build_random_model(folder: str, shape: str, device: str = "auto", weights: bool = True,
+                       num_layers: int | None = None) -> None:
+    """A model of a named shape (its first `num_layers` layers when given) with transformers'
+    random initialisation, saved in bf16 (only its config.json without `weights`, for
+    --load-format dummy)."""
     import torch
     from transformers import AutoModelForCausalLM
     dev = "cuda" if device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
-    cfg = shape_config(shape)
+    cfg = shape_config(shape, num_layers)
     if not weights:
         cfg.architectures = [AutoModelForCausalLM._model_mapping[type(cfg)].__name__]
         cfg.dtype = "bfloat16"

@@ -13,7 +13,8 @@ its own gate) is kept as more experts of the same stack: its intermediate size (
 share) cut into pieces of one routed expert's, the last zero-padded (silu(0) * 0 adds nothing),
 each piece chosen by every token with the gate's weight (`kernels/moe_routing.py`). One grouped
 GEMM pair then computes both, where a separate MLP cost three GEMVs and four elementwise
-launches a layer (a batch-1 decode step of Qwen3.6-35B-A3B is bound by its launches).
+launches a layer (a batch-1 decode step of Qwen3.6-35B-A3B is bound by its launches). Llama-4's
+shared expert, which has no gate, is kept the same way with weight 1 (`scoring` "sigmoid").
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from torch import nn
 
 from kernels.fused_moe import compile_align_variants, tokens_per_tile_band
 from kernels.moe_routing import topk_softmax_ref
-from workers.ops import act_and_mul, fused_experts_op, linear_op, topk_softmax_op
+from workers.ops import act_and_mul, fused_experts_op, linear_op, topk_sigmoid_op, topk_softmax_op
 from workers.parallel import TPGroup, split_evenly
 
 
@@ -79,13 +80,23 @@ class FusedMoE(nn.Module):
     its up_proj, (expert, None) its down_proj [H, I]), as checkpoints keep them either way. With
     `shared_intermediate` > 0 a shared expert of that size follows the E routed ones (see the
     module's note; its router needs `shared_gate`): shard ("shared", 0 / 1 / None) loads its
-    gate_proj, up_proj or down_proj."""
+    gate_proj, up_proj or down_proj.
+
+    Llama-4's rule, `scoring` "sigmoid": each of the top k experts weighs the sigmoid of its own
+    logit (no softmax), a shared expert weighs 1 (its router has no gate row), and with
+    `weight_input` the weight scales the token's hidden state before the expert rather than the
+    expert's output (`kernels.fused_moe`)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int, activation, tp: TPGroup,
                  dtype: torch.dtype, device: torch.device, name: str = "", bias: bool = False,
-                 renormalize: bool = True, shared_intermediate: int = 0) -> None:
+                 renormalize: bool = True, shared_intermediate: int = 0, scoring: str = "softmax",
+                 weight_input: bool = False) -> None:
         super().__init__()
-        self.renormalize = renormalize
+        if scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"{name}: router scoring {scoring!r} is not supported (softmax or sigmoid)")
+        if weight_input and bias:
+            raise ValueError(f"{name}: router weights on the experts' input need experts without biases")
+        self.renormalize, self.scoring, self.weight_input = renormalize, scoring, weight_input
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"{name}: experts per token must be 1 to {num_experts} (the experts), got {top_k}")
         self.name, self.num_experts, self.top_k, self.hidden, self.intermediate = \
@@ -180,19 +191,22 @@ class FusedMoE(nn.Module):
                 param.data[slot, half * self.size:half * self.size + cols].copy_(mine.narrow(0, j * self.size, cols))
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        if self.renormalize:
+        if self.scoring == "sigmoid":
+            weights, ids = topk_sigmoid_op(router_logits, self.top_k, x.dtype, self.shared_slots)
+        elif self.renormalize:
             weights, ids = topk_softmax_op(router_logits, self.top_k, x.dtype, self.shared_slots)
         else:  # the softmax over all experts: a rare variant, through torch
             weights, ids = topk_softmax_ref(router_logits, self.top_k, x.dtype, self.shared_slots, renormalize=False)
         return fused_experts_op(x, self.w13, self.w2, weights, ids, self.act, self.b13,
-                                self.b2 if self.first_rank else None)
+                                self.b2 if self.first_rank else None, weight_input=self.weight_input)
 
     def compile_variants(self) -> None:
         """Run one batch in each tile band of the kernels (they pick their tiles by the rows
         each expert gets), so that no prefill compiles a kernel while serving."""
         for t in tokens_per_tile_band(self.num_experts, self.top_k):
             x = torch.zeros(t, self.hidden, dtype=self.w13.dtype, device=self.w13.device)
-            logits = torch.randn(t, self.num_experts + (1 if self.shared_slots else 0), device=x.device)
+            gate = 1 if self.shared_slots and self.scoring == "softmax" else 0  # the shared expert's gate
+            logits = torch.randn(t, self.num_experts + gate, device=x.device)
             self(x, logits.to(x.dtype))  # the router's dtype
         compile_align_variants(self.num_experts + self.shared_slots, self.top_k + self.shared_slots,
                                self.w13.element_size(), x.device)

@@ -24,6 +24,9 @@ MODEL_REGISTRY: dict[str, str] = {
     "FalconH1ForCausalLM": "workers.models.falcon_h1:FalconH1ForCausalLM",
     "GraniteMoeHybridForCausalLM": "workers.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
     "GptOssForCausalLM": "workers.models.gpt_oss:GptOssForCausalLM",
+    "Llama4ForCausalLM": "workers.models.llama4:Llama4ForCausalLM",
+    # The multimodal checkpoint: we serve its text part (the vision tower's weights are not read).
+    "Llama4ForConditionalGeneration": "workers.models.llama4:Llama4ForCausalLM",
     "Qwen3NextForCausalLM": "workers.models.qwen3_next:Qwen3NextForCausalLM",
     "Qwen3_5ForCausalLM": "workers.models.qwen3_5:Qwen3_5ForCausalLM",
     "Qwen3_5MoeForCausalLM": "workers.models.qwen3_5:Qwen3_5MoeForCausalLM",

@@ -50,9 +50,10 @@ def reduce_add_norm(tp: TPGroup, x: torch.Tensor, residual: torch.Tensor, norm: 
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, tp: TPGroup, dtype, device, prefix: str, bias: bool = False) -> None:
+    def __init__(self, config, tp: TPGroup, dtype, device, prefix: str, bias: bool = False,
+                 intermediate: int | None = None) -> None:
         super().__init__()
-        h, i = config.hidden_size, config.intermediate_size
+        h, i = config.hidden_size, intermediate or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(h, [i, i], bias, tp, dtype, device, f"{prefix}.gate_up_proj")
         self.down_proj = RowParallelLinear(i, h, bias, tp, dtype, device, f"{prefix}.down_proj")
         self.act = act_and_mul(getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", "silu"))
