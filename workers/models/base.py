@@ -14,6 +14,33 @@ STACKED = [("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj"
            ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
 
 
+# A multimodal checkpoint's prefixes of its language model -> ours (transformers 5's and 4's layouts).
+TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                 ("language_model.lm_head.", "lm_head."))
+
+
+def text_name(name: str) -> str:
+    """Our (text-model) name of a checkpoint tensor name, either layout."""
+    for theirs, ours in TEXT_PREFIXES:
+        if name.startswith(theirs):
+            return ours + name[len(theirs):]
+    return name
+
+
+def multimodal_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """A text model's expected shapes under every multimodal layout's names (a multimodal config
+    does not say which layout its checkpoint uses: the loader reads the names the checkpoint has,
+    and `text_name` maps them back)."""
+    out = {}
+    for name, shape in shapes.items():
+        if name.startswith("lm_head."):  # transformers 5 keeps the wrapper's head at the top
+            out[name] = shape
+        for theirs, ours in TEXT_PREFIXES:
+            if name.startswith(ours):
+                out[theirs + name[len(ours):]] = shape
+    return out
+
+
 def rope_params(config, layer_type: str = "full_attention") -> tuple[float, dict | None]:
     """(base, scaling dict) of a layer type, from transformers 5's `rope_parameters` (nested per
     layer type for Gemma-3) or the older `rope_theta` / `rope_scaling` / `rope_local_base_freq`."""

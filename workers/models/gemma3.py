@@ -16,20 +16,10 @@ wrapper's config (the text part is `config.get_text_config()`), the text weights
 """
 from __future__ import annotations
 
+from workers.models.base import multimodal_shapes, text_name
 from workers.models.gemma2 import Gemma2Attention, Gemma2DecoderLayer, Gemma2ForCausalLM
 from workers.parallel import TPGroup
 
-# Multimodal checkpoint prefix -> ours.
-TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
-                 ("language_model.lm_head.", "lm_head."))
-
-
-def text_name(name: str) -> str:
-    """Our (text-model) name of a checkpoint tensor name, either layout."""
-    for theirs, ours in TEXT_PREFIXES:
-        if name.startswith(theirs):
-            return ours + name[len(theirs):]
-    return name
 
 
 class Gemma3Attention(Gemma2Attention):
@@ -61,16 +51,7 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
         """A multimodal config does not say which layout its checkpoint uses: name both (the
         loader reads only the names the checkpoint has, and `missing_weights` maps them back)."""
         shapes = super().expected_checkpoint_shapes()
-        if not self.multimodal:
-            return shapes
-        out = {}
-        for name, shape in shapes.items():
-            if name.startswith("lm_head."):  # transformers 5 keeps the wrapper's head at the top
-                out[name] = shape
-            for theirs, ours in TEXT_PREFIXES:
-                if name.startswith(ours):
-                    out[theirs + name[len(ours):]] = shape
-        return out
+        return multimodal_shapes(shapes) if self.multimodal else shapes
 
     def missing_weights(self, loaded: set[str]) -> list[str]:
         # Against our own names (the parent's shapes), whichever layout the tensors came under.

@@ -50,23 +50,12 @@ from torch import nn
 
 from workers.layers.attention import AttentionMetadata
 from workers.layers.moe import FusedMoE, Router
-from workers.models.base import DecoderForCausalLM
+from workers.models.base import DecoderForCausalLM, multimodal_shapes, text_name
 from workers.models.cohere2 import interleaved_to_neox
 from workers.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, RMSNorm
 from workers.ops import qk_norm_rope_op, rotary_op
 from workers.parallel import TPGroup
 
-# Multimodal checkpoint prefix -> ours.
-TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
-                 ("model.language_model.", "model."))
-
-
-def text_name(name: str) -> str:
-    """Our (text-model) name of a checkpoint tensor name, either layout."""
-    for theirs, ours in TEXT_PREFIXES:
-        if name.startswith(theirs):
-            return ours + name[len(theirs):]
-    return name
 
 
 def moe_layers(config) -> set[int]:
@@ -241,16 +230,7 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         of each layout are listed (the loader reads the ones the checkpoint has, and
         `missing_weights` maps them back)."""
         shapes = self.text_checkpoint_shapes()
-        if not self.multimodal:
-            return shapes
-        out = {}
-        for name, shape in shapes.items():
-            if name.startswith("lm_head."):
-                out[name] = shape
-            for theirs, ours in TEXT_PREFIXES:
-                if name.startswith(ours):
-                    out[theirs + name[len(ours):]] = shape
-        return out
+        return multimodal_shapes(shapes) if self.multimodal else shapes
 
     def missing_weights(self, loaded: set[str]) -> list[str]:
         return sorted(set(self.text_checkpoint_shapes()) - {text_name(n) for n in loaded})
