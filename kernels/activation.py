@@ -1,4 +1,5 @@
-"""Gated MLP activations: `act(x[:, :I]) * x[:, I:]` for x = gate_up_proj output [T, 2I].
+"""Gated MLP activations: `act(x[:, :I]) * x[:, I:]` for x = gate_up_proj output [T, 2I]; and
+relu^2 (`relu2`, Nemotron-H's experts, which have no gate): relu(x)^2 of x [T, I].
 
 Why a Triton kernel: eager torch reads the gate half for the activation, writes it, reads it
 back with the up half for the product (and in fp32 adds upcast/downcast passes); the kernel
@@ -17,22 +18,26 @@ import triton.language as tl
 from kernels.pdl import pdl_args, pdl_wait
 
 __all__ = ["silu_and_mul", "silu_and_mul_ref", "gelu_tanh_and_mul", "gelu_tanh_and_mul_ref", "swiglu_oai_and_mul",
-           "swiglu_oai_and_mul_ref"]
+           "swiglu_oai_and_mul_ref", "relu2", "relu2_ref"]
 
-_SILU, _GELU_TANH, _SWIGLU_OAI = 0, 1, 2
+_SILU, _GELU_TANH, _SWIGLU_OAI, _RELU2 = 0, 1, 2, 3
 
 
 @triton.jit
-def _act_and_mul_kernel(x_ptr, out_ptr, inter, sx, so, alpha, limit, ACT: tl.constexpr, BLOCK: tl.constexpr,
-                        PDL: tl.constexpr):
+def _act_and_mul_kernel(x_ptr, out_ptr, inter, sx, so, alpha, limit, ACT: tl.constexpr, GATED: tl.constexpr,
+                        BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < inter
     a = tl.load(x_ptr + t * sx + cols, mask=m, other=0.0).to(tl.float32)
-    b = tl.load(x_ptr + t * sx + inter + cols, mask=m, other=0.0).to(tl.float32)
+    if GATED:
+        b = tl.load(x_ptr + t * sx + inter + cols, mask=m, other=0.0).to(tl.float32)
     if ACT == 0:
         y = a / (1.0 + tl.exp(-a))
+    elif ACT == 3:
+        r = tl.maximum(a, 0.0)
+        y = r * r
     elif ACT == 2:  # gpt-oss: both halves clamped, gate * sigmoid(alpha * gate) * (up + 1)
         a = tl.minimum(a, limit)
         b = tl.minimum(tl.maximum(b, -limit), limit) + 1.0
@@ -41,20 +46,22 @@ def _act_and_mul_kernel(x_ptr, out_ptr, inter, sx, so, alpha, limit, ACT: tl.con
         z = 0.7978845608028654 * (a + 0.044715 * a * a * a)  # sqrt(2/pi) * (a + c a^3)
         th = 1.0 - 2.0 / (tl.exp(2.0 * z) + 1.0)  # tanh(z), saturates cleanly to +-1
         y = 0.5 * a * (1.0 + th)
-    tl.store(out_ptr + t * so + cols, (y * b).to(out_ptr.dtype.element_ty), mask=m)
+    if GATED:
+        y = y * b
+    tl.store(out_ptr + t * so + cols, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def _launch(x: torch.Tensor, act: int, alpha: float = 0.0, limit: float = 0.0) -> torch.Tensor:
-    assert x.dim() == 2 and x.shape[1] % 2 == 0, x.shape
+def _launch(x: torch.Tensor, act: int, alpha: float = 0.0, limit: float = 0.0, gated: bool = True) -> torch.Tensor:
+    assert x.dim() == 2 and (x.shape[1] % 2 == 0 or not gated), x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
-    n, inter = x.shape[0], x.shape[1] // 2
+    n, inter = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
     out = torch.empty((n, inter), dtype=x.dtype, device=x.device)
     if n == 0 or inter == 0:
         return out
     block = min(1024, triton.next_power_of_2(inter))
     _act_and_mul_kernel[(n, triton.cdiv(inter, block))](x, out, inter, x.stride(0), out.stride(0), alpha, limit,
-                                                        ACT=act, BLOCK=block, num_warps=4, **pdl_args(x))
+                                                        ACT=act, GATED=gated, BLOCK=block, num_warps=4, **pdl_args(x))
     return out
 
 
@@ -72,6 +79,11 @@ def swiglu_oai_and_mul(x: torch.Tensor, alpha: float, limit: float) -> torch.Ten
     """[T, 2I] -> new [T, I]: gpt-oss's gated activation, g * sigmoid(alpha * g) * (u + 1) with
     g = min(gate, limit) and u = clamp(up, -limit, limit) (its halves de-interleaved at load)."""
     return _launch(x, _SWIGLU_OAI, float(alpha), float(limit))
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """[T, I] -> new [T, I] tensor = relu(x)^2 (no gate)."""
+    return _launch(x, _RELU2, gated=False)
 
 
 def _acc(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,3 +109,8 @@ def swiglu_oai_and_mul_ref(x: torch.Tensor, alpha: float, limit: float) -> torch
     a, b = _acc(x)
     a = a.clamp(max=limit)
     return (a * torch.sigmoid(alpha * a) * (b.clamp(-limit, limit) + 1)).to(x.dtype)
+
+
+def relu2_ref(x: torch.Tensor) -> torch.Tensor:
+    """Same contract as `relu2`; fp32 math (fp64 for fp64)."""
+    return torch.square(torch.relu(x.to(torch.promote_types(x.dtype, torch.float32)))).to(x.dtype)

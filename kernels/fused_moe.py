@@ -7,7 +7,8 @@ MLPs, the outputs weighted by the router and summed.
 pairs are sorted by expert and each expert's run padded to whole BLOCK_M tiles (`moe_align`),
 so a program multiplies one tile of rows that all use one expert's weights, and reads only the
 weights of experts that some token chose. The first launch gives [T*k, 2I] (gate | up), the
-activation kernel [T*k, I], the second launch [T*k, H] already scaled by the routing weights,
+activation kernel [T*k, I] (experts without a gate: the first launch gives [T*k, I] of up rows
+alone and the activation is elementwise), the second launch [T*k, H] already scaled by the routing weights,
 and a sum over k (one more launch) gives [T, H]. With `weight_input` (Llama-4, which scales each
 routed token's hidden state by its router score before the expert) the first launch scales its
 rows instead: x w W13^T = w (x W13^T) with no bias in between, so the activation sees the
@@ -220,12 +221,12 @@ def _grouped_gemm(a, w, b, rows, block_expert, out, routed, a_row_div: int, cfg:
 
 def _check(x, w13, w2, topk_weights, topk_ids, b13, b2, weight_input: bool = False) -> None:
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
-        raise ValueError(f"x must be [T, H], w13 [E, 2I, H] and w2 [E, H, I], got {tuple(x.shape)}, "
+        raise ValueError(f"x must be [T, H], w13 [E, 2I, H] (or [E, I, H]) and w2 [E, H, I], got {tuple(x.shape)}, "
                          f"{tuple(w13.shape)}, {tuple(w2.shape)}")
     e, two_i, h = w13.shape
-    if h != x.shape[1] or two_i % 2 or tuple(w2.shape) != (e, h, two_i // 2):
-        raise ValueError(f"expert shapes do not fit: x {tuple(x.shape)}, w13 {tuple(w13.shape)} (want [E, 2I, "
-                         f"{x.shape[1]}]), w2 {tuple(w2.shape)} (want [{e}, {h}, {two_i // 2}])")
+    if h != x.shape[1] or tuple(w2.shape[:2]) != (e, h) or two_i not in (w2.shape[2], 2 * w2.shape[2]):
+        raise ValueError(f"expert shapes do not fit: x {tuple(x.shape)}, w13 {tuple(w13.shape)} (want [E, 2I or I, "
+                         f"{x.shape[1]}]), w2 {tuple(w2.shape)} (want [{e}, {h}, I])")
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"topk_ids and topk_weights must both be [{x.shape[0]}, k], got "
                          f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
@@ -268,6 +269,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
                   weight_input: bool = False) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], topk_weights / topk_ids
     [T, k] -> [T, H] in x's dtype; `act_and_mul` maps [R, 2I] -> [R, I] (e.g. silu(gate) * up).
+    Experts without a gate (Nemotron-H's) have w13 [E, I, H] (up rows alone, told apart by w2's
+    I) and an elementwise activation [R, I] -> [R, I] (e.g. `relu2`).
     Ids must lie in [0, E) (the router's top-k). `weight_input`: the weights scale each pair's
     input, sum_j W2 act(W13 (w_tj x_t)), rather than its output."""
     _check(x, w13, w2, topk_weights, topk_ids, b13, b2, weight_input)
@@ -291,7 +294,7 @@ def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
                       topk_ids: torch.Tensor, act_and_mul, b13: torch.Tensor | None = None,
                       b2: torch.Tensor | None = None, weight_input: bool = False) -> torch.Tensor:
     """The same sum as a loop over the experts that some token chose, in fp32 (fp64 for fp64
-    inputs); the gated activation's input and output rounded to x's dtype as the kernel's are."""
+    inputs); the activation's input and output rounded to x's dtype as the kernel's are."""
     _check(x, w13, w2, topk_weights, topk_ids, b13, b2, weight_input)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     t, k = topk_ids.shape

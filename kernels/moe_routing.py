@@ -15,6 +15,13 @@ several), each weighed by the sigmoid of that logit. So the experts' kernels com
 routed ones, rather than three more GEMVs and four elementwise launches a layer. Llama-4's shared
 expert has no gate (`topk_sigmoid`): its slots weigh 1 and the logits have no column for it.
 
+DeepSeek-V3's rule (Nemotron-H's experts: `topk_sigmoid_grouped`) is torch ops alone, on any
+device: sigmoid scores, a per-expert correction bias added for the choice only, the experts in
+`n_group` groups of which the `topk_group` with the largest sums of their two best biased scores
+are kept, the top k of those; each weighed by its unbiased score, renormalised over the k and
+scaled. About ten small launches of static shapes (a CUDA graph keeps them); a kernel like the
+one above would save their launches at batch 1, not built yet.
+
 Order and ties: experts come largest first, as `torch.topk` returns them; among equal logits the
 lower expert id first (torch leaves that order unspecified). Weights are computed in fp32,
 exp(l_j - l_max) / sum over the k, and rounded once to the requested dtype.
@@ -27,7 +34,7 @@ import triton.language as tl
 
 from kernels.pdl import pdl_args, pdl_wait
 
-__all__ = ["topk_sigmoid", "topk_sigmoid_ref", "topk_softmax", "topk_softmax_ref"]
+__all__ = ["topk_sigmoid", "topk_sigmoid_grouped", "topk_sigmoid_ref", "topk_softmax", "topk_softmax_ref"]
 
 
 @triton.jit
@@ -132,6 +139,43 @@ def topk_sigmoid_ref(logits: torch.Tensor, k: int, dtype: torch.dtype,
     e = _check(logits, k, shared, gated=False)
     top, ids = logits.float().topk(k, dim=-1)
     weights = torch.sigmoid(top)
+    if shared:
+        weights = torch.cat([weights, weights.new_ones(weights.shape[0], shared)], dim=1)
+        ids = torch.cat([ids, torch.arange(e, e + shared, device=ids.device).expand(ids.shape[0], -1)], dim=1)
+    return weights.to(dtype), ids
+
+
+def topk_sigmoid_grouped(logits: torch.Tensor, correction_bias: torch.Tensor | None, k: int, n_group: int,
+                         topk_group: int, renormalize: bool, scale: float, dtype: torch.dtype,
+                         shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's (and Nemotron-H's) choice, as transformers' NemotronHTopkRouter computes it:
+    s = sigmoid(logits) in fp32; the choice reads s + `correction_bias`: the `topk_group` of
+    `n_group` groups (contiguous runs of E / n_group experts) whose two largest biased scores sum
+    highest, then the k largest biased scores within them; each chosen expert weighs its s,
+    divided by (their sum + 1e-20) when `renormalize`, times `scale`, rounded once to `dtype`;
+    then `shared` slots of weight 1 (an ungated shared expert). (weights [T, k + shared], ids
+    [T, k + shared] int64.)"""
+    e = _check(logits, k, shared, gated=False)
+    if n_group < 1 or e % n_group or not 1 <= topk_group <= n_group:
+        raise ValueError(f"expert groups: {e} experts in n_group={n_group} groups, topk_group={topk_group} "
+                         f"(need n_group to divide the experts and 1 <= topk_group <= n_group)")
+    if n_group > 1 and e // n_group < 2:
+        raise ValueError(f"expert groups: a group's score sums its two best experts, {e // n_group} per group")
+    if k > topk_group * (e // n_group):
+        raise ValueError(f"experts per token ({k}) exceed the experts of the kept groups "
+                         f"({topk_group} x {e // n_group})")
+    scores = torch.sigmoid(logits.float())
+    choice = scores + correction_bias.float() if correction_bias is not None else scores
+    if topk_group < n_group:
+        grouped = choice.view(-1, n_group, e // n_group)
+        best = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        keep = torch.zeros_like(best).scatter_(1, best.topk(topk_group, dim=-1)[1], 1.0)
+        choice = grouped.masked_fill(keep[:, :, None] == 0, float("-inf")).view(-1, e)
+    ids = choice.topk(k, dim=-1)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    weights = weights * scale
     if shared:
         weights = torch.cat([weights, weights.new_ones(weights.shape[0], shared)], dim=1)
         ids = torch.cat([ids, torch.arange(e, e + shared, device=ids.device).expand(ids.shape[0], -1)], dim=1)

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from kernels.activation import (gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref,
+from kernels.activation import (relu2, relu2_ref, gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref,
                                 swiglu_oai_and_mul, swiglu_oai_and_mul_ref)
 from kernels.gemv import SKINNY_MAX_ROWS, gemv, gemv_ref, skinny_config, skinny_gemm, skinny_gemm_ref
 from kernels.kv_store import store_kv, store_kv_ref
@@ -280,6 +280,20 @@ def test_act_and_mul_strided_rows():
     view = wide[:, :512]
     check(silu_and_mul(view), silu_and_mul_ref(x.double()), torch.bfloat16)
     check(gelu_tanh_and_mul(view), gelu_tanh_and_mul_ref(x.double()), torch.bfloat16)
+
+
+@pytest.mark.parametrize("impl", [relu2, relu2_ref], ids=["triton", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_relu2(impl, dtype):
+    """Nemotron-H's ungated relu^2 against float64, on a row-strided view whose neighbouring
+    columns are NaN (a kernel that read past a row's I columns would return NaN)."""
+    x = randn(7, 200, dtype=dtype) * 4
+    x[0, :5] = torch.tensor([-100.0, -1e-3, 0.0, 1e-3, 100.0], dtype=dtype)
+    wide = torch.full((7, 256), float("nan"), device=DEVICE, dtype=dtype)
+    wide[:, :200] = x
+    out = impl(wide[:, :200])
+    assert out.shape == (7, 200) and out.dtype == dtype
+    check(out, torch.relu(x.double()) ** 2, dtype)
 
 
 # ----------------------------------------------------------------------------- fused q/k norm + rotary

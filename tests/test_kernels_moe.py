@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.activation import silu_and_mul, silu_and_mul_ref
+from kernels.activation import relu2, relu2_ref, silu_and_mul, silu_and_mul_ref
 from kernels.fused_moe import (_grouped_gemm, fused_experts, fused_experts_ref, moe_align, moe_align_kernel,
                                moe_align_torch, moe_config, tokens_per_tile_band)
-from kernels.moe_routing import topk_sigmoid, topk_sigmoid_ref, topk_softmax, topk_softmax_ref
+from kernels.moe_routing import topk_sigmoid, topk_sigmoid_grouped, topk_sigmoid_ref, topk_softmax, topk_softmax_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
@@ -315,3 +315,73 @@ def test_weights_on_the_experts_input(dtype):
     want = fused_experts_ref(x, layer.w13, layer.w2, torch.cat([torch.sigmoid(top), torch.ones_like(top)], 1), ids,
                              silu_and_mul_ref, weight_input=True)
     assert rel_err(layer(x, logits), want.double()) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("t,cfg", [(1, SMALL), (7, SMALL), (37, LARGE), (9, None)])
+def test_experts_without_a_gate(dtype, t, cfg):
+    """Nemotron-H's experts: w13 is [E, I, H] (up rows alone) and the activation elementwise,
+    sum_j w_tj W2 relu(W13 x_t)^2, against float64; expert 0 NaN and never chosen."""
+    e, k, h, inter = 6, 2, 40, 24
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(t, h, generator=g).to(DEVICE, dtype)
+    w13 = (torch.randn(e, inter, h, generator=g) / h ** 0.5).to(DEVICE, dtype)
+    w2 = (torch.randn(e, h, inter, generator=g) / inter ** 0.5).to(DEVICE, dtype)
+    weights, ids = routing(t, e, k, seed=t + 1, skip=(0,))
+    w13[0], w2[0] = float("nan"), float("nan")
+    ref = torch.zeros(t, h, dtype=torch.float64)
+    for p in range(t * k):
+        ex, tok = int(ids.flatten()[p]), p // k
+        a = torch.relu(w13[ex].double() @ x[tok].double()) ** 2
+        ref[tok] += (weights.flatten()[p].double() * (w2[ex].double() @ a)).cpu()
+    got = fused_experts(x, w13, w2, weights, ids, relu2, config=cfg)
+    assert got.shape == (t, h) and got.dtype == dtype
+    assert rel_err(got.cpu(), ref) < TOL[dtype]
+    assert rel_err(fused_experts_ref(x, w13, w2, weights, ids, relu2_ref).cpu(), ref) < TOL[dtype]
+    with pytest.raises(ValueError, match="expert shapes do not fit"):
+        fused_experts(x, w13[:, :inter - 1], w2, weights, ids, relu2)
+
+
+def grouped_oracle(logits, bias, k, n_group, topk_group, renormalize, scale):
+    """The grouped choice token by token in float64: groups ranked by their two best biased
+    scores, then the k best biased scores in the kept groups, weighed by their unbiased ones."""
+    t, e = logits.shape
+    size = e // n_group
+    s = torch.sigmoid(logits.double())
+    out_w, out_ids = [], []
+    for r in range(t):
+        c = s[r] + bias.double()
+        rank = sorted(range(n_group), key=lambda gi: -float(c[gi * size:(gi + 1) * size].topk(2)[0].sum()))
+        allowed = [x for gi in rank[:topk_group] for x in range(gi * size, (gi + 1) * size)]
+        chosen = sorted(allowed, key=lambda x: -float(c[x]))[:k]
+        w = s[r, chosen]
+        if renormalize:
+            w = w / w.sum()
+        out_w.append(w * scale)
+        out_ids.append(chosen)
+    return torch.stack(out_w), torch.tensor(out_ids)
+
+
+@pytest.mark.parametrize("n_group,topk_group,k", [(1, 1, 3), (4, 2, 3), (4, 1, 2), (2, 2, 4)])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_topk_sigmoid_grouped(n_group, topk_group, k, renormalize):
+    """DeepSeek-V3's / Nemotron-H's choice against a float64 evaluation: the bias moves the choice
+    (it is large against the scores' spread) but not the weights; shared slots weigh 1."""
+    t, e = 9, 16
+    g = torch.Generator().manual_seed(n_group * 10 + k)
+    logits = (torch.randn(t, e, generator=g) * 2).to(DEVICE)
+    bias = (torch.randn(e, generator=g) * 0.5).to(DEVICE)
+    want_w, want_ids = grouped_oracle(logits.cpu(), bias.cpu(), k, n_group, topk_group, renormalize, 2.5)
+    weights, ids = topk_sigmoid_grouped(logits, bias, k, n_group, topk_group, renormalize, 2.5, torch.float32,
+                                        shared=2)
+    assert ids.shape == weights.shape == (t, k + 2)
+    order = ids[:, :k].cpu().argsort(dim=1)  # (the order within the k is not part of the contract)
+    assert torch.equal(ids[:, :k].cpu().gather(1, order), want_ids.gather(1, want_ids.argsort(dim=1)))
+    torch.testing.assert_close(weights[:, :k].cpu().gather(1, order).double(),
+                               want_w.gather(1, want_ids.argsort(dim=1)), rtol=1e-6, atol=1e-7)
+    assert torch.equal(ids[:, k:].cpu(), torch.arange(e, e + 2).expand(t, -1)) and (weights[:, k:] == 1).all()
+    unbiased, _ = topk_sigmoid_grouped(logits, None, k, n_group, topk_group, renormalize, 2.5, torch.float32)
+    if n_group == 1:
+        assert not torch.equal(unbiased.cpu(), weights[:, :k].cpu())  # the bias changed some token's choice
+    with pytest.raises(ValueError, match="expert groups"):
+        topk_sigmoid_grouped(logits, bias, k, 3, 1, renormalize, 1.0, torch.float32)
