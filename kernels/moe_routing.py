@@ -34,7 +34,7 @@ import triton.language as tl
 
 from kernels.pdl import pdl_args, pdl_wait
 
-__all__ = ["topk_sigmoid", "topk_sigmoid_grouped", "topk_sigmoid_ref", "topk_softmax", "topk_softmax_ref"]
+__all__ = ["check_groups", "topk_sigmoid", "topk_sigmoid_grouped", "topk_sigmoid_ref", "topk_softmax", "topk_softmax_ref"]
 
 
 @triton.jit
@@ -145,6 +145,18 @@ def topk_sigmoid_ref(logits: torch.Tensor, k: int, dtype: torch.dtype,
     return weights.to(dtype), ids
 
 
+def check_groups(e: int, k: int, n_group: int, topk_group: int) -> None:
+    """Raise ValueError unless `topk_sigmoid_grouped` can choose k of e experts in these groups."""
+    if n_group < 1 or e % n_group or not 1 <= topk_group <= n_group:
+        raise ValueError(f"expert groups: {e} experts in n_group={n_group} groups, topk_group={topk_group} "
+                         f"(need n_group to divide the experts and 1 <= topk_group <= n_group)")
+    if n_group > 1 and e // n_group < 2:
+        raise ValueError(f"expert groups: a group's score sums its two best experts, {e // n_group} per group")
+    if k > topk_group * (e // n_group):
+        raise ValueError(f"experts per token ({k}) exceed the experts of the kept groups "
+                         f"({topk_group} x {e // n_group})")
+
+
 def topk_sigmoid_grouped(logits: torch.Tensor, correction_bias: torch.Tensor | None, k: int, n_group: int,
                          topk_group: int, renormalize: bool, scale: float, dtype: torch.dtype,
                          shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,14 +168,7 @@ def topk_sigmoid_grouped(logits: torch.Tensor, correction_bias: torch.Tensor | N
     then `shared` slots of weight 1 (an ungated shared expert). (weights [T, k + shared], ids
     [T, k + shared] int64.)"""
     e = _check(logits, k, shared, gated=False)
-    if n_group < 1 or e % n_group or not 1 <= topk_group <= n_group:
-        raise ValueError(f"expert groups: {e} experts in n_group={n_group} groups, topk_group={topk_group} "
-                         f"(need n_group to divide the experts and 1 <= topk_group <= n_group)")
-    if n_group > 1 and e // n_group < 2:
-        raise ValueError(f"expert groups: a group's score sums its two best experts, {e // n_group} per group")
-    if k > topk_group * (e // n_group):
-        raise ValueError(f"experts per token ({k}) exceed the experts of the kept groups "
-                         f"({topk_group} x {e // n_group})")
+    check_groups(e, k, n_group, topk_group)
     scores = torch.sigmoid(logits.float())
     choice = scores + correction_bias.float() if correction_bias is not None else scores
     if topk_group < n_group:

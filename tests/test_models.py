@@ -55,6 +55,16 @@ CONFIGS = {
                    dict(hybrid_override_pattern="M*-M-", mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16,
                         n_groups=2, conv_kernel=4, chunk_size=16, use_bias=True, mlp_bias=True, eos_token_id=None,
                         initializer_range=0.15, rescale_prenorm_residual=False)),
+    # ...and its routed experts ("E"): 8 ungated relu2 experts in 4 groups of which 2 are kept, a
+    # shared expert of 1.5 experts' width (at TP=2: two slots, the second half padding), the weights
+    # renormalised and scaled; `build` gives the router a correction bias large enough to move the
+    # choice.
+    "nemotron_h_moe": ("NemotronHConfig", "workers.models.nemotron_h:NemotronHForCausalLM",
+                       dict(hybrid_override_pattern="ME*-EM", mamba_num_heads=8, mamba_head_dim=16,
+                            ssm_state_size=16, n_groups=2, conv_kernel=4, chunk_size=16, eos_token_id=None,
+                            initializer_range=0.15, rescale_prenorm_residual=False, n_routed_experts=8,
+                            num_experts_per_tok=3, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
+                            n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)),
     # Falcon-H1: attention and Mamba side by side in every layer; every muP multiplier away from 1;
     # mamba_d_ssm (96) != expand * hidden; no gated norm (y * silu(z)); 2 B/C groups; both biases.
     "falcon_h1": ("FalconH1Config", "workers.models.falcon_h1:FalconH1ForCausalLM",
@@ -150,7 +160,7 @@ CONFIGS.update({
     "qwen3_5_moe_vl": ("Qwen3_5MoeConfig", "workers.models.qwen3_5:Qwen3_5MoeForCausalLM",
                        dict(text_config={**DELTANET, **EXPERTS}, vision_config=VISION)),
 })
-HYBRIDS = ["bamba", "nemotron_h", "falcon_h1", "falcon_h1_norm", "granitemoehybrid", "granitemoehybrid_moe"]
+HYBRIDS = ["bamba", "nemotron_h", "nemotron_h_moe", "falcon_h1", "falcon_h1_norm", "granitemoehybrid", "granitemoehybrid_moe"]
 GATED_DELTANET = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl"]
 
 
@@ -181,6 +191,9 @@ def build(name: str, seed: int = 0, device: str = "cpu"):
         for n, p in hf.named_parameters():
             if "norm" in n or n.endswith("bias"):
                 p.copy_(torch.randn_like(p) * 0.5 + (1.0 if "norm" in n else 0.0))
+        for n, b in hf.named_buffers():  # (a buffer: the loop above does not see it)
+            if n.endswith("e_score_correction_bias"):  # DeepSeek-V3-style routers: on the scale of the scores
+                b.copy_(torch.randn_like(b) * 0.2)
     if type(hf).__name__ == "Llama4ForConditionalGeneration":
         _text_only_forward(hf)
     # transformers up to 5.17 fixes gpt-oss's clamp at 7 whatever the config says: the config's.
@@ -245,15 +258,17 @@ def test_every_checkpoint_tensor_is_expected_with_its_shape(name):
         assert tuple(tensor.shape) == tuple(expected[key]), key
 
 
-def test_nemotron_h_published_names_load_the_same(tmp_path):
+@pytest.mark.parametrize("name", ["nemotron_h", "nemotron_h_moe"])
+def test_nemotron_h_published_names_load_the_same(tmp_path, name):
     """Published Nemotron-H checkpoints: `backbone.` weight prefixes and a config.json with
-    `hybrid_override_pattern` (transformers 5 saves `model.` and `layers_block_type`)."""
+    `hybrid_override_pattern` (transformers 5 saves `model.` and `layers_block_type`); the experts
+    here in transformers' stacked in-memory layout (`build` loads them one tensor each)."""
     import json
 
     from safetensors.torch import save_file
 
     from workers.models.nemotron_h import NemotronHForCausalLM
-    hf, ours = build("nemotron_h")
+    hf, ours = build(name)
     hf.config.save_pretrained(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     pattern = hf.config.hybrid_override_pattern
@@ -263,6 +278,7 @@ def test_nemotron_h_published_names_load_the_same(tmp_path):
     state = {("backbone." + k[len("model."):] if k.startswith("model.") else k): v.contiguous()
              for k, v in hf.state_dict().items()}
     assert any(k.startswith("backbone.layers.") for k in state)
+    assert name == "nemotron_h" or any(k.endswith(".mixer.experts.up_proj") for k in state)
     save_file(state, str(tmp_path / "model.safetensors"))
     published = load_model(str(tmp_path), NemotronHForCausalLM, TPGroup(), "float32", "cpu")
     prompt = torch.randint(0, 300, (20,), generator=torch.Generator().manual_seed(4)).tolist()
@@ -271,12 +287,32 @@ def test_nemotron_h_published_names_load_the_same(tmp_path):
     assert torch.equal(got, want)
 
 
-def test_nemotron_h_expert_layers_are_refused_clearly():
+def test_nemotron_h_correction_bias_moves_the_choice():
+    """The router's e_score_correction_bias picks experts without weighing them: zeroing it in
+    both models changes the logits (other experts chosen) and they still agree."""
+    hf, ours = build("nemotron_h_moe")
+    prompt = torch.randint(0, 300, (24,), generator=torch.Generator().manual_seed(5)).tolist()
+    before, _ = Harness(ours, hf.config).prefill_logits(prompt)
+    with torch.no_grad():
+        for model in (hf, ours):
+            for n, t in [*model.named_buffers(), *model.named_parameters()]:
+                if n.endswith("e_score_correction_bias"):
+                    t.zero_()
+        ref = hf(torch.tensor([prompt])).logits[0]
+    after, _ = Harness(ours, hf.config).prefill_logits(prompt)
+    assert (after - before).abs().max().item() > 1e-2
+    assert (after - ref).abs().max().item() < 1e-3
+
+
+def test_nemotron_h_moe_refusals():
     from workers.models.nemotron_h import NemotronHForCausalLM
-    nemotron = transformers.NemotronHConfig(**COMMON, hybrid_override_pattern="M*E-", mamba_num_heads=8,
-                                            mamba_head_dim=16, ssm_state_size=16, n_groups=2)
-    with pytest.raises(ValueError, match=r"mixture-of-experts layers are not supported yet.*MoE layer.*\[2\]"):
-        NemotronHForCausalLM(nemotron, TPGroup(), torch.float32, torch.device("cpu"))
+    base = dict(**COMMON, hybrid_override_pattern="M*E-", mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16,
+                n_groups=2, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    for extra, match in [(dict(moe_latent_size=16), "latent projections"), (dict(mlp_bias=True), "MLP biases"),
+                         (dict(n_group=3, topk_group=1), "expert groups")]:
+        with pytest.raises(ValueError, match=match):
+            NemotronHForCausalLM(transformers.NemotronHConfig(**base, **extra), TPGroup(), torch.float32,
+                                 torch.device("cpu"))
 
 
 def test_a_layer_kind_the_family_does_not_build_is_refused():

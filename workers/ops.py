@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.activation import (gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref,
+from kernels.activation import (relu2, relu2_ref, gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref,
                                 swiglu_oai_and_mul, swiglu_oai_and_mul_ref)
 from kernels.kv_store import store_kv, store_kv_ref
 from kernels.gated_rmsnorm import gated_rms_norm, gated_rms_norm_ref
@@ -47,6 +47,8 @@ ACTIVATIONS = {
     "gelu_pytorch_tanh": _pick(gelu_tanh_and_mul, gelu_tanh_and_mul_ref),
     "gelu_tanh": _pick(gelu_tanh_and_mul, gelu_tanh_and_mul_ref),
 }
+# Activations of MLPs without a gate (Nemotron-H's experts): [R, I] -> [R, I].
+UNGATED_ACTIVATIONS = {"relu2": _pick(relu2, relu2_ref)}
 
 
 def linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -69,8 +71,15 @@ def act_and_mul(name: str):
     return ACTIVATIONS[name]
 
 
+def ungated_act(name: str):
+    if name not in UNGATED_ACTIVATIONS:
+        raise ValueError(f"activation {name!r} is not supported without a gate (supported: "
+                         f"{', '.join(UNGATED_ACTIVATIONS)})")
+    return UNGATED_ACTIVATIONS[name]
+
+
 __all__ = ["linear_op", "rms_norm_op", "rotary_op", "store_kv_op", "paged_attention_op", "qk_norm_rope_op",
-           "act_and_mul", "causal_conv1d_varlen_op", "causal_conv1d_update_op", "ssd_scan_varlen_op",
+           "act_and_mul", "ungated_act", "causal_conv1d_varlen_op", "causal_conv1d_update_op", "ssd_scan_varlen_op",
            "selective_state_update_op", "gated_rms_norm_op", "gated_delta_varlen_op", "gated_delta_update_op",
            "fused_experts_op", "topk_softmax_op", "topk_sigmoid_op", "swiglu_oai_op",
            "torch"]

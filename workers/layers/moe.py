@@ -15,6 +15,11 @@ each piece chosen by every token with the gate's weight (`kernels/moe_routing.py
 GEMM pair then computes both, where a separate MLP cost three GEMVs and four elementwise
 launches a layer (a batch-1 decode step of Qwen3.6-35B-A3B is bound by its launches). Llama-4's
 shared expert, which has no gate, is kept the same way with weight 1 (`scoring` "sigmoid").
+
+Nemotron-H's experts have no gate (`gated` False): up_proj alone, [E, I/tp, H] a rank, and an
+elementwise activation (relu^2); its router is DeepSeek-V3's (`scoring` "sigmoid_grouped":
+sigmoid scores, a correction bias for the choice alone, groups of experts, the weights
+renormalised and scaled, in torch: `kernels/moe_routing.py`), its shared expert ungated too.
 """
 from __future__ import annotations
 
@@ -22,18 +27,20 @@ import torch
 from torch import nn
 
 from kernels.fused_moe import compile_align_variants, tokens_per_tile_band
-from kernels.moe_routing import topk_softmax_ref
-from workers.ops import act_and_mul, fused_experts_op, linear_op, topk_sigmoid_op, topk_softmax_op
+from kernels.moe_routing import check_groups, topk_sigmoid_grouped, topk_softmax_ref
+from workers.ops import act_and_mul, fused_experts_op, linear_op, topk_sigmoid_op, topk_softmax_op, ungated_act
 from workers.parallel import TPGroup, split_evenly
 
 
 class Router(nn.Module):
     """The router's logits, x R^T (+ b) in x's dtype (replicated on every rank); the choice
     (`FusedMoE`) reads them in float32. With `shared_gate` the shared expert's gate [1, hidden]
-    is one more row (the weight loader's shard "shared"), its logit the last column."""
+    is one more row (the weight loader's shard "shared"), its logit the last column. With
+    `correction_bias` it keeps DeepSeek-V3's `e_score_correction_bias` [E] in float32 (added to
+    the scores for the choice alone: `FusedMoE`'s "sigmoid_grouped")."""
 
     def __init__(self, hidden: int, num_experts: int, dtype: torch.dtype, device: torch.device,
-                 bias: bool = False, shared_gate: bool = False, name: str = "") -> None:
+                 bias: bool = False, shared_gate: bool = False, name: str = "", correction_bias: bool = False) -> None:
         super().__init__()
         if bias and shared_gate:
             raise ValueError(f"{name}: a router with a bias and a shared expert's gate is not supported")
@@ -42,18 +49,24 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(rows, hidden, dtype=dtype, device=device), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(num_experts, dtype=dtype, device=device), requires_grad=False) \
             if bias else None
+        self.e_score_correction_bias = nn.Parameter(
+            torch.empty(num_experts, dtype=torch.float32, device=device), requires_grad=False) \
+            if correction_bias else None
 
     def full_shapes(self) -> dict[str, tuple[int, ...]]:
         shapes = {"weight": (self.num_experts, self.hidden)}
         if self.bias is not None:
             shapes["bias"] = (self.num_experts,)
+        if self.e_score_correction_bias is not None:
+            shapes["e_score_correction_bias"] = (self.num_experts,)
         return shapes
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard: str | None = None) -> None:
         if shard == "shared" and param is self.weight and self.weight.shape[0] > self.num_experts:
             want, rows = (1, self.hidden), param.data[self.num_experts:]
         elif shard is None:
-            want = self.full_shapes()["weight" if param is self.weight else "bias"]
+            want = self.full_shapes()["weight" if param is self.weight else
+                                      "bias" if param is self.bias else "e_score_correction_bias"]
             rows = param.data[:self.num_experts]
         else:
             raise ValueError(f"{self.name}: no router part {shard!r}")
@@ -85,15 +98,25 @@ class FusedMoE(nn.Module):
     Llama-4's rule, `scoring` "sigmoid": each of the top k experts weighs the sigmoid of its own
     logit (no softmax), a shared expert weighs 1 (its router has no gate row), and with
     `weight_input` the weight scales the token's hidden state before the expert rather than the
-    expert's output (`kernels.fused_moe`)."""
+    expert's output (`kernels.fused_moe`).
+
+    DeepSeek-V3's rule, `scoring` "sigmoid_grouped" (Nemotron-H): `forward` takes the router's
+    correction bias too; `groups` (n_group, topk_group) and `scale` (routed_scaling_factor) as
+    `kernels.moe_routing.topk_sigmoid_grouped`, `renormalize` its norm_topk_prob; a shared expert
+    weighs 1. `gated` False: experts without a gate, w13 [E, I, H] of up rows (shard (expert, 0)
+    or ("shared", 0) loads an up_proj) and `activation` an elementwise one (`workers.ops.ungated_act`)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int, activation, tp: TPGroup,
                  dtype: torch.dtype, device: torch.device, name: str = "", bias: bool = False,
                  renormalize: bool = True, shared_intermediate: int = 0, scoring: str = "softmax",
-                 weight_input: bool = False) -> None:
+                 weight_input: bool = False, gated: bool = True, groups: tuple[int, int] = (1, 1),
+                 scale: float = 1.0) -> None:
         super().__init__()
-        if scoring not in ("softmax", "sigmoid"):
-            raise ValueError(f"{name}: router scoring {scoring!r} is not supported (softmax or sigmoid)")
+        if scoring not in ("softmax", "sigmoid", "sigmoid_grouped"):
+            raise ValueError(f"{name}: router scoring {scoring!r} is not supported (softmax, sigmoid or "
+                             f"sigmoid_grouped)")
+        self.gated, self.groups, self.scale = gated, groups, float(scale)
+        self.halves = 2 if gated else 1
         if weight_input and bias:
             raise ValueError(f"{name}: router weights on the experts' input need experts without biases")
         self.renormalize, self.scoring, self.weight_input = renormalize, scoring, weight_input
@@ -101,6 +124,11 @@ class FusedMoE(nn.Module):
             raise ValueError(f"{name}: experts per token must be 1 to {num_experts} (the experts), got {top_k}")
         self.name, self.num_experts, self.top_k, self.hidden, self.intermediate = \
             name, num_experts, top_k, hidden, intermediate
+        if scoring == "sigmoid_grouped":
+            try:
+                check_groups(num_experts, top_k, *groups)
+            except ValueError as err:
+                raise ValueError(f"{name}: {err}") from None
         self.start, self.size = split_evenly(intermediate, tp, f"{name} expert intermediate size")
         self.shared_intermediate, self.shared_slots = shared_intermediate, 0
         if shared_intermediate:
@@ -110,7 +138,7 @@ class FusedMoE(nn.Module):
                                                                f"{name} shared expert intermediate size")
             self.shared_slots = -(-self.shared_size // self.size)
         slots = num_experts + self.shared_slots
-        self.w13 = nn.Parameter(torch.empty(slots, 2 * self.size, hidden, dtype=dtype, device=device),
+        self.w13 = nn.Parameter(torch.empty(slots, self.halves * self.size, hidden, dtype=dtype, device=device),
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(slots, hidden, self.size, dtype=dtype, device=device),
                                requires_grad=False)
@@ -118,11 +146,13 @@ class FusedMoE(nn.Module):
         self.w2.data[num_experts:].zero_()
         self.b13 = self.b2 = None
         if bias:
-            self.b13 = nn.Parameter(torch.empty(num_experts, 2 * self.size, dtype=dtype, device=device),
+            self.b13 = nn.Parameter(torch.empty(num_experts, self.halves * self.size, dtype=dtype, device=device),
                                     requires_grad=False)
             self.b2 = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype, device=device), requires_grad=False)
         self.first_rank = tp.rank == 0
-        self.act = act_and_mul(activation) if isinstance(activation, str) else activation
+        if isinstance(activation, str):
+            activation = act_and_mul(activation) if gated else ungated_act(activation)
+        self.act = activation
 
     def routed_bytes(self) -> int:
         """This rank's bytes of the routed experts (a step reads those its tokens chose; a shared
@@ -133,9 +163,9 @@ class FusedMoE(nn.Module):
 
     def full_shapes(self) -> dict[str, tuple[int, ...]]:
         e, h, i = self.num_experts, self.hidden, self.intermediate
-        shapes = {"w13": (e, 2 * i, h), "w2": (e, h, i)}
+        shapes = {"w13": (e, self.halves * i, h), "w2": (e, h, i)}
         if self.b13 is not None:
-            shapes.update(b13=(e, 2 * i), b2=(e, h))
+            shapes.update(b13=(e, self.halves * i), b2=(e, h))
         return shapes
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard: object = None) -> None:
@@ -155,14 +185,16 @@ class FusedMoE(nn.Module):
         elif which == "w2":
             dst.copy_(full.narrow(2, self.start, self.size))
         else:  # each half (gate, up) split on its own
-            dst[:, :self.size].copy_(full.narrow(1, self.start, self.size))
-            dst[:, self.size:].copy_(full.narrow(1, self.intermediate + self.start, self.size))
+            for half in range(self.halves):
+                dst[:, half * self.size:(half + 1) * self.size].copy_(
+                    full.narrow(1, half * self.intermediate + self.start, self.size))
 
     def load_expert(self, which: str, param: nn.Parameter, full: torch.Tensor, expert: int, half: int | None) -> None:
-        """One expert's gate_proj (half 0) or up_proj (half 1) into w13, or its down_proj into w2."""
+        """One expert's gate_proj (half 0) or up_proj (half 1; half 0 without a gate) into w13, or
+        its down_proj into w2."""
         h, i = self.hidden, self.intermediate
         want = {"w13": (i, h), "w2": (h, i)}.get(which)
-        if want is None or (which == "w13") != (half is not None) or not 0 <= expert < self.num_experts:
+        if want is None or (which == "w13") != (half in range(self.halves)) or not 0 <= expert < self.num_experts:
             raise ValueError(f"{self.name}: no per-expert tensor {which} half {half} of expert {expert}")
         if tuple(full.shape) != want:
             raise ValueError(f"{self.name}.{expert}: checkpoint tensor has shape {tuple(full.shape)}, expected {want}")
@@ -176,7 +208,7 @@ class FusedMoE(nn.Module):
         [H, S]: this rank's S / tp columns into the slots after the routed experts."""
         h, s = self.hidden, self.shared_intermediate
         want = {"w13": (s, h), "w2": (h, s)}.get(which)
-        if not s or want is None or (which == "w13") != (half in (0, 1)):
+        if not s or want is None or (which == "w13") != (half in range(self.halves)):
             raise ValueError(f"{self.name}: no shared expert tensor {which} half {half}")
         if tuple(full.shape) != want:
             raise ValueError(f"{self.name} (shared expert): checkpoint tensor has shape {tuple(full.shape)}, "
@@ -190,8 +222,12 @@ class FusedMoE(nn.Module):
             else:
                 param.data[slot, half * self.size:half * self.size + cols].copy_(mine.narrow(0, j * self.size, cols))
 
-    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        if self.scoring == "sigmoid":
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor,
+                correction_bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.scoring == "sigmoid_grouped":
+            weights, ids = topk_sigmoid_grouped(router_logits, correction_bias, self.top_k, *self.groups,
+                                                self.renormalize, self.scale, x.dtype, self.shared_slots)
+        elif self.scoring == "sigmoid":
             weights, ids = topk_sigmoid_op(router_logits, self.top_k, x.dtype, self.shared_slots)
         elif self.renormalize:
             weights, ids = topk_softmax_op(router_logits, self.top_k, x.dtype, self.shared_slots)

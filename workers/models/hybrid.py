@@ -230,10 +230,25 @@ class HybridForCausalLM(LlamaForCausalLM):
     def checkpoint_to_param(self, name: str) -> tuple[str, object]:
         return super().checkpoint_to_param(self.our_name(name))
 
+    def checkpoint_sources(self) -> dict[str, list[dict[str, tuple[int, ...]]]]:
+        """Each parameter (or fused part) of ours -> the ways a checkpoint may fill it, each a set
+        of tensors (our spelling of their names) with their full shapes; one way, the tensor of
+        our name, unless a family keeps some weights under several layouts (experts stacked or
+        one tensor each)."""
+        return {name: [{name: shape}] for name, shape in super().expected_checkpoint_shapes().items()}
+
     def expected_checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {spelling: shape for name, shape in super().expected_checkpoint_shapes().items()
-                for spelling in self.spellings(name)}
+        return {spelling: shape for ways in self.checkpoint_sources().values() for way in ways
+                for name, shape in way.items() for spelling in self.spellings(name)}
 
     def missing_weights(self, loaded: set[str]) -> list[str]:
-        missing = set(super().expected_checkpoint_shapes()) - {self.our_name(n) for n in loaded}
-        return sorted(self.spellings(n)[0] for n in missing)
+        """Our parameters that no complete set of tensors filled, named by the set the checkpoint
+        came closest to (the first one if it has none of them)."""
+        have = {self.our_name(n) for n in loaded}
+        missing: list[str] = []
+        for ways in self.checkpoint_sources().values():
+            if any(all(n in have for n in way) for way in ways):
+                continue
+            closest = max(ways, key=lambda way: sum(n in have for n in way))
+            missing += [self.spellings(n)[0] for n in closest if n not in have]
+        return sorted(missing)

@@ -8,18 +8,37 @@ full_attention, mlp, moe), read through the KV cache plan's reader (`decoder_lay
   `use_conv_bias`;
 * attention without any positional embedding (no RoPE in Nemotron-H), scale head_dim ** -0.5;
 * MLP-only layers: up_proj -> relu2 (`mlp_hidden_act`) -> down_proj, no gate;
-* MoE layers are refused at construction (mixture-of-experts is not supported yet); the
-  multi-token-prediction layers (`mtp.*`, speculative decoding only) are not built and their
+* MoE layers ("E", `moe`: Nemotron-3-Nano-30B-A3B) as transformers' NemotronHMoE: the router
+  `gate` (logits x W^T in float32 from a float32 weight; sigmoid scores; `e_score_correction_bias`
+  added for the choice alone; `n_group` groups of experts of which the `topk_group` with the
+  largest sums of their two best biased scores are kept; the top `num_experts_per_tok` of
+  those, each weighed by its unbiased score, divided by their sum + 1e-20 when `norm_topk_prob`,
+  times `routed_scaling_factor`), `n_routed_experts` ungated experts (up_proj -> relu2 ->
+  down_proj, `moe_intermediate_size`) and the ungated `shared_experts` MLP
+  (`moe_shared_expert_intermediate_size`, the same activation), added with weight 1. Routed and
+  shared experts are one `FusedMoE` stack (the shared one as its last slots), so the layer's
+  sum leaves through one all-reduce; the grouped choice runs in torch ops on the device
+  (`kernels.moe_routing.topk_sigmoid_grouped`). Latent projections (`moe_latent_size`) and MLP
+  biases on MoE layers are refused;
+* the multi-token-prediction layers (`mtp.*`, speculative decoding only) are not built and their
   tensors are not read.
 
 Weight names: transformers 5 saves `model.embeddings`, `model.layers.i.norm`,
 `model.layers.i.mixer.*`, `model.norm_f`; the published checkpoints spell `model.` as
 `backbone.`. Both load (`our_name`; the expected names list both spellings, as Gemma-3's
-multimodal layouts, and `missing_weights` names ours).
+multimodal layouts, and `missing_weights` names ours). The experts load from the published
+layout (`mixer.experts.{e}.up_proj.weight` [I, H], `down_proj.weight` [H, I], which transformers
+5.24 also saves) or transformers' in-memory one (`mixer.experts.up_proj` [E, I, H],
+`mixer.experts.down_proj` [E, H, I]); `mixer.shared_experts.{up,down}_proj.weight`,
+`mixer.gate.weight`, `mixer.gate.e_score_correction_bias`.
 
 Differences from transformers 5.23 (none shows in the published configs at float32):
 * attention biases: HF 5.23 builds q/k/v/o without bias whatever the config says; we follow
   `attention_bias` (False in the published configs, then the same).
+* MoE rounding: transformers sums the routed experts in float32 (weights kept in float32), rounds
+  that to the model dtype and adds the shared MLP's output in the model dtype; we round each
+  token's routing weights to the model dtype, then sum routed and shared experts in float32 and
+  round once (the same at float32).
 * `residual_in_fp32`: transformers ignores it (the residual stream is in the model dtype); so do
   we. Our fused add rounds the fp32 sum to the model dtype, as HF's add does.
 * dt clamp: HF 5.23 clamps softplus(dt) to >= `time_step_min` in its chunked (prefill) path only
@@ -30,12 +49,15 @@ Differences from transformers 5.23 (none shows in the published configs at float
 """
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distengine.model_config import MAMBA, MLP
+from distengine.model_config import MAMBA, MLP, MOE
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
+from workers.layers.moe import FusedMoE, Router
 from workers.models.base import STACKED
 from workers.models.hybrid import ATTENTION, HybridDecoderLayer, HybridForCausalLM, HybridModel
 from workers.parallel import TPGroup
@@ -80,14 +102,55 @@ class NemotronHMLP(nn.Module):
         return self.down_proj(self.act(self.up_proj(x)))
 
 
-class NemotronHBlock(HybridDecoderLayer):
-    """norm -> mixer (Mamba-2, attention or MLP, all named `mixer`) -> residual add (fused into
-    the next norm); no second half."""
+class NemotronHMoE(nn.Module):
+    """The router `gate` and the routed and shared experts (one stack); the layer's output, all-reduced."""
 
-    kinds = ATTENTION | {MAMBA, MLP}
+    def __init__(self, config, tp: TPGroup, dtype, device, prefix: str) -> None:
+        super().__init__()
+        if cfg(config, "moe_latent_size") is not None:
+            raise ValueError(f"{prefix}: MoE latent projections (moe_latent_size={config.moe_latent_size}) "
+                             f"are not supported yet")
+        if cfg(config, "mlp_bias", default=False):
+            raise ValueError(f"{prefix}: MoE layers with MLP biases (mlp_bias) are not supported")
+        act = cfg(config, "mlp_hidden_act", "hidden_act", default="relu2")
+        h, e = config.hidden_size, int(cfg(config, "n_routed_experts", "num_local_experts"))
+        self.tp = tp
+        self.gate = Router(h, e, torch.float32, device, name=f"{prefix}.gate", correction_bias=True)
+        self.experts = FusedMoE(
+            e, int(config.num_experts_per_tok), h, int(config.moe_intermediate_size), act, tp, dtype, device,
+            f"{prefix}.experts", renormalize=bool(cfg(config, "norm_topk_prob", default=True)),
+            shared_intermediate=int(cfg(config, "moe_shared_expert_intermediate_size", default=0)),
+            scoring="sigmoid_grouped", gated=False,
+            groups=(int(cfg(config, "n_group", default=1)), int(cfg(config, "topk_group", default=1))),
+            scale=float(cfg(config, "routed_scaling_factor", default=1.0)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.gate(x.float())  # transformers' router: float32 input and weight
+        return self.tp.all_reduce(self.experts(x, logits, self.gate.e_score_correction_bias))
+
+
+class NemotronHBlock(HybridDecoderLayer):
+    """norm -> mixer (Mamba-2, attention, MLP or MoE, all named `mixer`) -> residual add (fused
+    into the next norm); no second half."""
+
+    kinds = ATTENTION | {MAMBA, MLP, MOE}
     norm_name, ff_norm_name = "norm", None
     mamba_name = attention_name = ff_name = "mixer"
     mlp_cls = NemotronHMLP
+
+    def build_feed_forward(self, config, tp, dtype, device, prefix: str) -> None:
+        if self.kind == MOE:
+            self.mixer = NemotronHMoE(config, tp, dtype, device, f"{prefix}.mixer")
+        else:
+            super().build_feed_forward(config, tp, dtype, device, prefix)
+
+
+# Expert tensors, with `backbone.` already spelled `model.`: published one per expert, or stacked
+# (transformers in memory), and the shared expert.
+_EXPERT = re.compile(r"^(.*\.mixer\.experts)\.(\d+)\.(up|down)_proj\.weight$")
+_STACKED_EXPERTS = re.compile(r"^(.*\.mixer\.experts)\.(up|down)_proj$")
+_SHARED_EXPERT = re.compile(r"^(.*\.mixer)\.shared_experts\.(up|down)_proj\.weight$")
+_PART = {"up": ("w13", 0), "down": ("w2", None)}  # our tensor, and its shard's half
 
 
 class NemotronHForCausalLM(HybridForCausalLM):
@@ -116,6 +179,37 @@ class NemotronHForCausalLM(HybridForCausalLM):
 
     def spellings(self, name: str) -> tuple[str, ...]:
         return (name, BACKBONE + name[len(MODEL):]) if name.startswith(MODEL) else (name,)
+
+    def checkpoint_to_param(self, name: str) -> tuple[str, object]:
+        name = self.our_name(name)
+        m = _EXPERT.match(name)
+        if m:
+            ours, half = _PART[m[3]]
+            return f"{m[1]}.{ours}", (int(m[2]), half)
+        m = _STACKED_EXPERTS.match(name)
+        if m:
+            return f"{m[1]}.{_PART[m[2]][0]}", None
+        m = _SHARED_EXPERT.match(name)
+        if m:
+            ours, half = _PART[m[2]]
+            return f"{m[1]}.experts.{ours}", ("shared", half)
+        return super().checkpoint_to_param(name)
+
+    def checkpoint_sources(self) -> dict[str, list[dict[str, tuple[int, ...]]]]:
+        out = super().checkpoint_sources()
+        for path, moe in self.named_modules():
+            if not isinstance(moe, FusedMoE):
+                continue
+            mixer = path.rsplit(".", 1)[0]
+            e, h, i, s = moe.num_experts, moe.hidden, moe.intermediate, moe.shared_intermediate
+            for ours, part, one, shared in (("w13", "up", (i, h), (s, h)), ("w2", "down", (h, i), (h, s))):
+                name = f"{path}.{ours}"
+                ways = [{f"{path}.{part}_proj": out[name][0][name]},
+                        {f"{path}.{x}.{part}_proj.weight": one for x in range(e)}]
+                if s:
+                    ways = [{**way, f"{mixer}.shared_experts.{part}_proj.weight": shared} for way in ways]
+                out[name] = ways
+        return out
 
 
 __all__ = ["NemotronHForCausalLM"]

@@ -159,8 +159,6 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
         return DecoderForCausalLM.checkpoint_to_param(self, name)
 
     def checkpoint_sources(self) -> dict[str, list[dict[str, tuple[int, ...]]]]:
-        """Each parameter (or fused part) of ours -> the ways a checkpoint may fill it, each a set
-        of tensors (our spelling of their names) with their full shapes."""
         out: dict[str, list[dict[str, tuple[int, ...]]]] = {}
         modules = dict(self.named_modules())
         for name, shape in DecoderForCausalLM.expected_checkpoint_shapes(self).items():
@@ -186,22 +184,6 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
             else:
                 out[name] = [{name: shape}]
         return out
-
-    def expected_checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {spelling: shape for ways in self.checkpoint_sources().values() for way in ways
-                for name, shape in way.items() for spelling in self.spellings(name)}
-
-    def missing_weights(self, loaded: set[str]) -> list[str]:
-        """Our parameters that no complete set of tensors filled, named by the set the checkpoint
-        came closest to (the first one if it has none of them)."""
-        have = {self.our_name(n) for n in loaded}
-        missing: list[str] = []
-        for ways in self.checkpoint_sources().values():
-            if any(all(n in have for n in way) for way in ways):
-                continue
-            closest = max(ways, key=lambda way: sum(n in have for n in way))
-            missing += [self.spellings(n)[0] for n in closest if n not in have]
-        return sorted(missing)
 
 
 __all__ = ["Qwen3NextForCausalLM"]
