@@ -150,6 +150,9 @@ def test_a_shape_cut_to_its_first_layers_runs_with_dummy_weights(tmp_path, capsy
         (8, 5120, 16, 8192)
     assert scout.no_rope_layers == [1, 1, 1, 0] * 2 and scout.moe_layers == list(range(8))
     assert shape_config("qwen3.6-35b-a3b", 8).layer_types == (["linear_attention"] * 3 + ["full_attention"]) * 2
+    nano = shape_config("nemotron-3-nano-30b-a3b", 6)
+    assert nano.hybrid_override_pattern == "MEMEM*" and nano.layers_block_type[-2:] == ["linear_attention",
+                                                                                       "full_attention"]
     folder, out = tmp_path / "tl", tmp_path / "lat.json"
     args = ["bench", "latency", "--shape", "tiny-llama4", "--num-layers", "4", "--load-format", "dummy",
             "--device", "cpu", "--batch-size", "2", "--input-len", "20", "--output-len", "4", "--num-iters", "1",

@@ -21,7 +21,7 @@ EXPECTED_KINDS = {
     "granite-4.0-h-tiny": {MAMBA: 36, FULL: 4}, "qwen3.6-27b": {MAMBA: 48, FULL: 16},
     "qwen3.6-35b-a3b": {MAMBA: 30, FULL: 10}, "qwen3-next-80b-a3b": {MAMBA: 36, FULL: 12},
     "gemma-4-31b": {SLIDING: 50, FULL: 10}, "gemma-4-26b-a4b": {SLIDING: 25, FULL: 5},
-    "gemma-4-e2b": {SLIDING: 28, FULL: 7},
+    "gemma-4-e2b": {SLIDING: 28, FULL: 7}, "nemotron-3-nano-30b-a3b": {MAMBA: 23, FULL: 6},
 }
 
 

@@ -51,6 +51,9 @@ SHAPES = {
     # experts (1 per token, scored on their input) beside a shared expert in every layer. Its 48
     # layers (~215 GB in bf16) fit no single GPU: --num-layers 8 keeps every width (~40 GB).
     "llama-4-scout": ("llama4_text", ("llama-4-scout", {})),
+    # Nemotron-3-Nano-30B-A3B: 23 Mamba-2, 23 MoE (128 ungated relu^2 experts, 6 per token, beside
+    # a shared expert) and 6 attention layers, one mixer a layer.
+    "nemotron-3-nano-30b-a3b": ("nemotron_h", ("nemotron-3-nano-30b-a3b", {})),
     # For tests on CPU.
     "tiny": ("gemma3_text", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
                                  num_key_value_heads=2, head_dim=16, sliding_window=16, vocab_size=512, **_GEMMA3)),
@@ -93,6 +96,11 @@ def with_layers(fields: dict, num_layers: int) -> dict:
     for key in LAYER_INDEX_LISTS:
         if out.get(key) is not None:
             out[key] = [i for i in out[key] if i < num_layers]
+    pattern = out.get("hybrid_override_pattern")  # Nemotron-H's: one character a layer
+    if pattern:
+        if len(pattern) < num_layers:
+            raise ValueError(f"hybrid_override_pattern has {len(pattern)} layers: the shape has no layer {num_layers - 1}")
+        out["hybrid_override_pattern"] = pattern[:num_layers]
     return out
 
 
