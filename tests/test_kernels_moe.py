@@ -385,3 +385,38 @@ def test_topk_sigmoid_grouped(n_group, topk_group, k, renormalize):
         assert not torch.equal(unbiased.cpu(), weights[:, :k].cpu())  # the bias changed some token's choice
     with pytest.raises(ValueError, match="expert groups"):
         topk_sigmoid_grouped(logits, bias, k, 3, 1, renormalize, 1.0, torch.float32)
+
+
+def test_the_ungated_grouped_layer_with_a_shared_expert():
+    """`FusedMoE` as Nemotron-H builds it (ungated relu^2 experts, the grouped sigmoid choice with
+    a correction bias, a shared expert 1.5 experts wide kept as two slots, the second half
+    padding) against transformers' formula in float64: the routed sum plus the shared MLP; the
+    torch path (CPU) and the Triton kernels (under the interpreter on CPU) alike."""
+    from workers.layers.moe import FusedMoE
+    from workers.parallel import TPGroup
+    e, k, h, inter, shared = 8, 3, 32, 16, 24
+    layer = FusedMoE(e, k, h, inter, "relu2", TPGroup(), torch.float32, torch.device(DEVICE), "experts",
+                     shared_intermediate=shared, scoring="sigmoid_grouped", gated=False, groups=(4, 2), scale=2.5)
+    assert layer.shared_slots == 2 and tuple(layer.w13.shape) == (e + 2, inter, h)
+    g = torch.Generator().manual_seed(12)
+    up, down = torch.randn(e, inter, h, generator=g) * 0.3, torch.randn(e, h, inter, generator=g) * 0.3
+    s_up, s_down = torch.randn(shared, h, generator=g) * 0.3, torch.randn(h, shared, generator=g) * 0.3
+    with torch.no_grad():
+        for x in range(e):  # one tensor each, as the published checkpoints keep them
+            layer.weight_loader(layer.w13, up[x], (x, 0))
+            layer.weight_loader(layer.w2, down[x], (x, None))
+        layer.weight_loader(layer.w13, s_up, ("shared", 0))
+        layer.weight_loader(layer.w2, s_down, ("shared", None))
+    x = torch.randn(11, h, generator=g)
+    logits, bias = torch.randn(11, e, generator=g), torch.randn(e, generator=g) * 0.3
+    want_w, want_ids = grouped_oracle(logits, bias, k, 4, 2, True, 2.5)
+    want = torch.zeros(11, h, dtype=torch.float64)
+    for t in range(11):
+        for j in range(k):
+            ex = int(want_ids[t, j])
+            want[t] += want_w[t, j] * (down[ex].double() @ torch.relu(up[ex].double() @ x[t].double()) ** 2)
+        want[t] += s_down.double() @ torch.relu(s_up.double() @ x[t].double()) ** 2
+    x, logits, bias = x.to(DEVICE), logits.to(DEVICE), bias.to(DEVICE)
+    assert rel_err(layer(x, logits, bias).cpu(), want) < 1e-5
+    weights, ids = topk_sigmoid_grouped(logits, bias, k, 4, 2, True, 2.5, torch.float32, shared=2)
+    assert rel_err(fused_experts(x, layer.w13, layer.w2, weights, ids, relu2).cpu(), want) < 1e-5
