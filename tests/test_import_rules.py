@@ -15,6 +15,7 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("distengine", "workers", "kernels", "launch")
 CONTRACT = {"distengine.config", "distengine.step", "distengine.worker_info", "distengine.kv_cache.plan",
+            "distengine.quantization",
             "distengine.kv_cache.specs", "distengine.model_config", "distengine.hf_config"}
 EXECUTOR = "distengine.executor"
 

@@ -84,9 +84,8 @@ class DecoderForCausalLM(nn.Module):
             if isinstance(module, (QKVParallelLinear, MergedColumnParallelLinear)):
                 for fused, part, shard in self.stacked:
                     if path.endswith(fused):
-                        shapes[f"{path[: -len(fused)]}{part}.weight"] = module.part_shapes(shard)
-                        if module.bias is not None:
-                            shapes[f"{path[: -len(fused)]}{part}.bias"] = module.part_shapes(shard)[:1]
+                        for pname, shape in module.part_shapes(shard).items():
+                            shapes[f"{path[: -len(fused)]}{part}.{pname}"] = shape
                 continue
             full = getattr(module, "full_shapes", None)
             if full is not None:
