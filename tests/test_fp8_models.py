@@ -128,3 +128,131 @@ def test_fp8_layers_hold_the_stored_bytes(tmp_path):
     assert layers[0].mlp.gate_up_proj.weight.dtype == FP8_DTYPE and layers[1].self_attn.o_proj.weight.dtype == FP8_DTYPE
     assert layers[1].mlp.gate_up_proj.weight.dtype == torch.float32 and layers[1].mlp.gate_up_proj.fp8 is None
     assert model.lm_head.weight.dtype == model.model.embed_tokens.weight.dtype == torch.float32
+
+
+# ----------------------------------------------------------------------------- refusals, by name
+
+def _ct_weights(**weights) -> dict:
+    return {"quant_method": "compressed-tensors", "format": "float-quantized",
+            "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float",
+                                                                     "strategy": "channel", **weights}}}}
+
+
+@pytest.mark.parametrize("quant,message", [
+    ({"quant_method": "gptq", "bits": 4}, "'gptq'-quantized checkpoints are not supported"),
+    ({"quant_method": "awq"}, "'awq'-quantized"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "'bitsandbytes'-quantized"),
+    ({"quant_method": "mxfp4"}, "'mxfp4'-quantized"),  # gpt-oss's own, not a Qwen3's
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_convert": ["embed_tokens"]},
+     "modules_to_convert"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"}, "scale_fmt 'ue8m0'"),
+    ({**_ct_weights(), "format": "pack-quantized"}, "format 'pack-quantized'"),
+    (_ct_weights(num_bits=4, type="int"), "4-bit 'int'"),
+    (_ct_weights(strategy="group", group_size=128), "strategy 'group'"),
+    (_ct_weights(symmetric=False), "asymmetric"),
+])
+def test_unserved_quantization_is_refused_by_name_before_any_weight_is_read(tmp_path, quant, message):
+    """config.json only (no weights at all): the refusal comes first, from the engine's config
+    and from the loader alike."""
+    from distengine import LLM
+    from workers.loader import load_model
+    from workers.models.qwen3 import Qwen3ForCausalLM
+    from workers.parallel import TPGroup
+    config = transformers.Qwen3Config(**TINY)
+    config.architectures = ["Qwen3ForCausalLM"]
+    config.quantization_config = quant
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LLM(str(tmp_path), device="cpu", dtype="float32")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_model(tmp_path, Qwen3ForCausalLM, TPGroup(), "float32")
+
+
+def test_quantization_option_and_the_checkpoint_must_agree():
+    from distengine.quantization import BLOCK, resolve_quantization
+    fp8 = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    assert resolve_quantization(fp8, "fp8", "auto").strategy == BLOCK
+    with pytest.raises(ValueError, match="unquantized checkpoint"):
+        resolve_quantization({}, "fp8", "auto")
+    with pytest.raises(ValueError, match="'compressed-tensors'-quantized"):
+        resolve_quantization({"quantization_config": _ct_weights()}, "fp8", "auto")
+    with pytest.raises(ValueError, match="quantization must be None or 'fp8'"):
+        resolve_quantization({}, "int8", "dummy")
+    dummy = resolve_quantization({}, "fp8", "dummy")
+    assert (dummy.block_size, dummy.scale_name) == ((128, 128), "weight_scale_inv")
+
+
+class _Rank:
+    def __init__(self, world_size: int, rank: int = 0) -> None:
+        self.world_size, self.rank = world_size, rank
+
+
+def test_a_tp_split_that_cuts_a_scale_block_is_refused_when_the_layer_is_built():
+    from distengine.quantization import resolve_quantization
+    from workers.layers.linear import QKVParallelLinear, RowParallelLinear, quantized_linears
+    block = resolve_quantization({}, "fp8", "dummy")
+    cpu = torch.device("cpu")
+    with quantized_linears(block):
+        QKVParallelLinear(256, 128, 4, 2, False, _Rank(2), torch.float32, cpu, "model.layers.0.self_attn.qkv_proj")
+        with pytest.raises(ValueError, match=r"qkv_proj\[k\]: this rank's 64 of 128 output rows cut the checkpoint's "
+                                             r"\(128, 128\) FP8 scale blocks"):
+            QKVParallelLinear(256, 64, 4, 2, False, _Rank(2), torch.float32, cpu, "model.layers.0.self_attn.qkv_proj")
+        with pytest.raises(ValueError, match="192 of 384 input columns cut"):
+            RowParallelLinear(384, 256, False, _Rank(2, 1), torch.float32, cpu, "model.layers.0.mlp.down_proj")
+
+
+def test_fused_parts_quantized_apart_and_cohere2_are_refused():
+    from distengine.quantization import read_quantization_config
+    from workers.layers.linear import QKVParallelLinear, quantized_linears
+    from workers.models.cohere2 import Cohere2ForCausalLM
+    from workers.parallel import TPGroup
+    cpu = torch.device("cpu")
+    q_left_out = read_quantization_config({"quantization_config": {
+        "quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_not_convert": ["layers.0.self_attn.q_proj"]}})
+    with quantized_linears(q_left_out), pytest.raises(ValueError, match="quantizes some of its parts"):
+        QKVParallelLinear(256, 128, 4, 2, False, TPGroup(), torch.float32, cpu, "model.layers.0.self_attn.qkv_proj")
+    config = transformers.Cohere2Config(**{**TINY, "head_dim": 64})
+    with quantized_linears(q_left_out), pytest.raises(ValueError, match="Cohere2: FP8 checkpoints are not supported"):
+        Cohere2ForCausalLM(config, TPGroup(), torch.float32, cpu)
+
+
+@pytest.mark.parametrize("tensor,stored,message", [
+    ("model.embed_tokens.weight", FP8_DTYPE, "model.embed_tokens.weight is stored in FP8 (F8_E4M3) but is not served"),
+    ("model.layers.0.self_attn.q_proj.weight", torch.float32,
+     "q_proj.weight is stored as F32, but the quantization_config makes it FP8"),
+])
+def test_weight_dtypes_must_match_the_quantization_before_data_is_read(tmp_path, tensor, stored, message):
+    from workers.loader import WeightDtypeError, load_model
+    from workers.models.qwen3 import Qwen3ForCausalLM
+    from workers.parallel import TPGroup
+    _quantized_checkpoint(tmp_path, "fp8_block")
+    state = safetensors.load_file(str(tmp_path / "model.safetensors"))
+    state[tensor] = state[tensor].float().to(stored)
+    safetensors.save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(WeightDtypeError, match=re.escape(message)):
+        load_model(tmp_path, Qwen3ForCausalLM, TPGroup(), "float32")
+
+
+def test_dummy_fp8_weights_and_the_roofline_count_the_stored_bytes(tmp_path):
+    """`--load-format dummy --quantization fp8`: linear weights FP8 in 128 x 128 blocks with
+    random scales; the roofline's weight bytes are the bytes as stored, its FLOPs per element;
+    `bench latency` runs on it."""
+    from distengine import LLM
+    from launch.bench.common import roofline_of
+    from launch.cli import main
+    config = transformers.Qwen3Config(**TINY)
+    config.architectures = ["Qwen3ForCausalLM"]
+    config.save_pretrained(tmp_path)
+    rf = {}
+    for quant in (None, "fp8"):
+        with LLM(str(tmp_path), device="cpu", dtype="float32", load_format="dummy", quantization=quant,
+                 max_model_len=64) as llm:
+            rf[quant] = roofline_of(llm, bandwidth=1e12, matmul=1e12)
+    h, i, q, kv = 256, 512, 512, 256
+    linear = 2 * ((q + 2 * kv) * h + h * q + 2 * i * h + h * i)  # two layers
+    scales = 2 * (8 * 2 + 2 * 4 + 8 * 2 + 2 * 4)
+    assert rf[None].weight_bytes - rf["fp8"].weight_bytes == linear * 3 - scales * 4
+    assert rf["fp8"].num_params - rf[None].num_params == scales
+    assert main(["bench", "latency", "--model", str(tmp_path), "--device", "cpu", "--dtype", "float32",
+                 "--load-format", "dummy", "--quantization", "fp8", "--batch-size", "1", "--input-len", "8",
+                 "--output-len", "3", "--num-iters", "1", "--num-iters-warmup", "0"]) == 0
