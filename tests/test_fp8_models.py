@@ -256,3 +256,20 @@ def test_dummy_fp8_weights_and_the_roofline_count_the_stored_bytes(tmp_path):
     assert main(["bench", "latency", "--model", str(tmp_path), "--device", "cpu", "--dtype", "float32",
                  "--load-format", "dummy", "--quantization", "fp8", "--batch-size", "1", "--input-len", "8",
                  "--output-len", "3", "--num-iters", "1", "--num-iters-warmup", "0"]) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8_block", "fp8_tensor", "ct_channel"])
+def test_fp8_checkpoint_on_gpu_greedy_equals_transformers(tmp_path, fmt):
+    """On a GPU in float32: one prompt decodes through the FP8 GEMV (in CUDA graphs), three through
+    the skinny GEMM; prefills dequantize for cuBLAS."""
+    from distengine import LLM, SamplingParams
+    hf = _quantized_checkpoint(tmp_path, fmt)
+    prompts = _prompts(3)
+    greedy = SamplingParams(max_tokens=12, temperature=0)
+    with LLM(str(tmp_path), device="cuda", dtype="float32", max_model_len=128) as llm:
+        one = llm.generate([{"prompt_token_ids": prompts[0]}], greedy, use_tqdm=False)
+        three = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    assert one[0].outputs[0].token_ids == _hf_greedy(hf, prompts[0], 12)
+    for p, o in zip(prompts, three):
+        assert o.outputs[0].token_ids == _hf_greedy(hf, p, 12)

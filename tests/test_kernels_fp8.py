@@ -104,3 +104,17 @@ def test_fp8_bad_arguments():
         q16, s16, _ = _weight(256, 256, (16, 128))
         skinny_gemm(x.expand(2, -1), q16, weight_scale=s16, block_size=(16, 128),
                     config={"BLOCK_N": 32, "BLOCK_K": 128, "SWAP": True, "num_warps": 4, "num_stages": 1})
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_fp8_linear_op_routes_by_rows(scheme):
+    """The layers' entry point: on a GPU one row through the FP8 GEMV, 2-32 through the skinny
+    GEMM, more dequantized for cuBLAS; on CPU the references. The same numbers every way."""
+    from workers.ops import fp8_linear_op
+    block = SCHEMES[scheme]
+    q, s, w64 = _weight(256, 384, block)
+    b = torch.randn(256, device=DEVICE)
+    for rows in (1, 3, 32, 33):
+        x = torch.randn(rows, 384, device=DEVICE)
+        _check(fp8_linear_op(x, q, s, block, b), torch.nn.functional.linear(x.double(), w64, b.double()),
+               torch.float32)
