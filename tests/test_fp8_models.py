@@ -46,12 +46,22 @@ FORMATS = {
 }
 
 
-def _quantized_checkpoint(folder, fmt: str, seed: int = 0):
-    """A tiny Qwen3 whose linear weights are stored as `fmt` in `folder`, and transformers' model
+# The families built: Qwen3, and Gemma-3 (the benchmark's family: tied embeddings, 1 sliding : 1 full).
+FAMILIES = {
+    "qwen3": ("Qwen3Config", {}),
+    "gemma3": ("Gemma3TextConfig", dict(sliding_window=12, sliding_window_pattern=2, query_pre_attn_scalar=24,
+                                        eos_token_id=None)),
+}
+
+
+def _quantized_checkpoint(folder, fmt: str, seed: int = 0, family: str = "qwen3"):
+    """A tiny model whose linear weights are stored as `fmt` in `folder`, and transformers' model
     holding the weights those tensors stand for."""
     quant, scale_name, layout, input_scale = FORMATS[fmt]
     torch.manual_seed(seed)
-    hf = transformers.AutoModelForCausalLM.from_config(transformers.Qwen3Config(**TINY), dtype=torch.float32).eval()
+    cls_name, extra = FAMILIES[family]
+    config = getattr(transformers, cls_name)(**TINY, **extra)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
         for n, p in hf.named_parameters():
             if "norm" in n:
@@ -87,10 +97,11 @@ def _quantized_checkpoint(folder, fmt: str, seed: int = 0):
     return hf
 
 
-@pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_fp8_checkpoint_greedy_equals_transformers(tmp_path, fmt):
+@pytest.mark.parametrize("fmt,family", [(fmt, "qwen3") for fmt in sorted(FORMATS)] +
+                         [("fp8_block", "gemma3"), ("ct_channel", "gemma3")])
+def test_fp8_checkpoint_greedy_equals_transformers(tmp_path, fmt, family):
     from distengine import LLM, SamplingParams
-    hf = _quantized_checkpoint(tmp_path, fmt)
+    hf = _quantized_checkpoint(tmp_path, fmt, family=family)
     prompts = _prompts(2)
     with LLM(str(tmp_path), device="cpu", dtype="float32", block_size=4, max_model_len=128) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=12, temperature=0),
