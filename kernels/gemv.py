@@ -30,7 +30,8 @@ from kernels.fp8 import check_fp8_weight, dequantize_fp8_ref
 from kernels.paged_attention import _interpreter_bf16
 from kernels.pdl import pdl_args, pdl_wait
 
-__all__ = ["gemv", "gemv_ref", "gemv_config", "skinny_gemm", "skinny_gemm_ref", "skinny_config", "SKINNY_MAX_ROWS"]
+__all__ = ["gemv", "gemv_ref", "gemv_config", "skinny_gemm", "skinny_gemm_ref", "skinny_config", "SKINNY_MAX_ROWS",
+           "FP8_SKINNY_MAX_ROWS"]
 
 
 # FP8 weights' scales (kernels.fp8): none, one per output row, one per (BN_Q x BK_Q) block.
@@ -151,7 +152,7 @@ def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                     weight_scale: torch.Tensor | None = None,
                     block_size: tuple[int, int] | None = None) -> torch.Tensor:
     """`skinny_gemm`'s product in fp32 (fp64 for fp64 inputs), rounded once to x's dtype."""
-    _check(x, weight, bias, SKINNY_MAX_ROWS, scale=weight_scale, block=block_size)
+    _check(x, weight, bias, _max_rows(weight_scale), scale=weight_scale, block=block_size)
     return _linear_ref(x, weight, bias, weight_scale, block_size)
 
 
@@ -164,11 +165,18 @@ def _linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 SKINNY_MAX_ROWS = 32  # the tiles below were timed up to 32 rows; F.linear beyond
+# FP8 weights: up to 128 rows here, where the alternative (dequantize, then cuBLAS) moves five
+# bytes an element instead of one (not timed yet: `kernels.bench.fp8_gemv --rows 64 128`).
+FP8_SKINNY_MAX_ROWS = 128
+
+
+def _max_rows(scale: torch.Tensor | None) -> int:
+    return SKINNY_MAX_ROWS if scale is None else FP8_SKINNY_MAX_ROWS
 
 
 def _skinny_block_m(rows: int) -> int:
-    """The rows' tile: tl.dot needs 16 at least; two sizes keep the compiled variants few."""
-    return 16 if rows <= 16 else 32
+    """The rows' tile: tl.dot needs 16 at least; few sizes keep the compiled variants few."""
+    return 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 64 else 128
 
 
 @triton.jit
@@ -245,8 +253,8 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 weight_scale: torch.Tensor | None = None, block_size: tuple[int, int] | None = None) -> torch.Tensor:
     """x[M, K] @ weight[N, K]^T (+ bias[N]) for 1 <= M <= SKINNY_MAX_ROWS -> `out` or a new [M, N]
     tensor, x's dtype (fp32 sums; fp32 inputs multiply in full precision, not TF32). FP8 weights
-    with `weight_scale` (and `block_size`) as in `gemv`."""
-    _check(x, weight, bias, SKINNY_MAX_ROWS, scale=weight_scale, block=block_size)
+    with `weight_scale` (and `block_size`) as in `gemv`, up to FP8_SKINNY_MAX_ROWS rows."""
+    _check(x, weight, bias, _max_rows(weight_scale), scale=weight_scale, block=block_size)
     m, k = x.shape
     n = weight.shape[0]
     if out is None:

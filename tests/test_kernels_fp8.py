@@ -58,6 +58,8 @@ def test_fp8_gemv(scheme, dtype, n, k, cfg):
     (3, 300, 200, None),  # ragged
     (17, 256, 256, {"BLOCK_N": 32, "BLOCK_K": 128, "SWAP": True, "num_warps": 4, "num_stages": 2}),
     (5, 128, 384, {"BLOCK_N": 64, "BLOCK_K": 64, "SWAP": False, "num_warps": 4, "num_stages": 2}),
+    (40, 200, 256, None),  # FP8 only past 32 rows: a 64-row tile
+    (128, 256, 128, None),  # and a full 128-row one
 ])
 def test_fp8_skinny_gemm(scheme, dtype, m, n, k, cfg):
     block = SCHEMES[scheme]
@@ -108,13 +110,13 @@ def test_fp8_bad_arguments():
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_fp8_linear_op_routes_by_rows(scheme):
-    """The layers' entry point: on a GPU one row through the FP8 GEMV, 2-32 through the skinny
+    """The layers' entry point: on a GPU one row through the FP8 GEMV, 2-128 through the skinny
     GEMM, more dequantized for cuBLAS; on CPU the references. The same numbers every way."""
     from workers.ops import fp8_linear_op
     block = SCHEMES[scheme]
     q, s, w64 = _weight(256, 384, block)
     b = torch.randn(256, device=DEVICE)
-    for rows in (1, 3, 32, 33):
+    for rows in (1, 3, 33, 128, 129):
         x = torch.randn(rows, 384, device=DEVICE)
         _check(fp8_linear_op(x, q, s, block, b), torch.nn.functional.linear(x.double(), w64, b.double()),
                torch.float32)
