@@ -284,3 +284,27 @@ def test_fp8_checkpoint_on_gpu_greedy_equals_transformers(tmp_path, fmt):
     assert one[0].outputs[0].token_ids == _hf_greedy(hf, prompts[0], 12)
     for p, o in zip(prompts, three):
         assert o.outputs[0].token_ids == _hf_greedy(hf, p, 12)
+
+
+def test_fp8_experts_and_deltanet_projections_are_refused_by_name(tmp_path):
+    """Qwen3-Next's FP8 checkpoints store the routed experts and the Gated DeltaNet input
+    projections in FP8 too: not served, each refused naming its tensor before any data is read
+    (the attention and the shared expert's linears, left unquantized here, would load)."""
+    from tests.test_models import build
+    from workers.loader import WeightDtypeError, load_model
+    from workers.models.qwen3_next import Qwen3NextForCausalLM
+    from workers.parallel import TPGroup
+    hf, _ = build("qwen3_next")
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    expert, in_proj = "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.linear_attn.in_proj_qkvz.weight"
+    assert expert in state and in_proj in state, sorted(state)[:40]
+    for name in (expert, in_proj):
+        state[name] = state[name].to(FP8_DTYPE)
+    hf.config.quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     "modules_to_not_convert": ["lm_head", "self_attn", "linear_attn.out_proj",
+                                                                "shared_expert", "mlp.gate", "layers.1.mlp"]}
+    hf.config.save_pretrained(tmp_path)
+    safetensors.save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(WeightDtypeError, match=r"2 checkpoint tensors .*in_proj_qkvz.weight is stored in FP8 "
+                                               r".*experts.gate_up_proj is stored in FP8"):
+        load_model(tmp_path, Qwen3NextForCausalLM, TPGroup(), "float32")
