@@ -6,7 +6,6 @@ needs accelerate (and compressed-tensors its package), so the test dequantizes w
 formula (W = weight * scale over its row, block or tensor) and gives transformers a float copy."""
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
@@ -219,7 +218,8 @@ def test_fused_parts_quantized_apart_and_cohere2_are_refused():
     from workers.parallel import TPGroup
     cpu = torch.device("cpu")
     q_left_out = read_quantization_config({"quantization_config": {
-        "quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_not_convert": ["layers.0.self_attn.q_proj"]}})
+        "quant_method": "fp8", "weight_block_size": [128, 128],
+        "modules_to_not_convert": ["layers.0.self_attn.q_proj"]}})
     with quantized_linears(q_left_out), pytest.raises(ValueError, match="quantizes some of its parts"):
         QKVParallelLinear(256, 128, 4, 2, False, TPGroup(), torch.float32, cpu, "model.layers.0.self_attn.qkv_proj")
     config = transformers.Cohere2Config(**{**TINY, "head_dim": 64})

@@ -92,7 +92,8 @@ def ungated_act(name: str):
     return UNGATED_ACTIVATIONS[name]
 
 
-__all__ = ["linear_op", "fp8_linear_op", "rms_norm_op", "rotary_op", "store_kv_op", "paged_attention_op", "qk_norm_rope_op",
+__all__ = ["linear_op", "fp8_linear_op", "rms_norm_op", "rotary_op", "store_kv_op", "paged_attention_op",
+           "qk_norm_rope_op",
            "act_and_mul", "ungated_act", "causal_conv1d_varlen_op", "causal_conv1d_update_op", "ssd_scan_varlen_op",
            "selective_state_update_op", "gated_rms_norm_op", "gated_delta_varlen_op", "gated_delta_update_op",
            "fused_experts_op", "topk_softmax_op", "topk_sigmoid_op", "swiglu_oai_op",

@@ -76,7 +76,8 @@ class _ParallelLinear(nn.Module):
         quantized = [quant is not None and quant.quantizes(p) for p in parts]
         if any(quantized) and not all(quantized):
             raise ValueError(f"{self.name}: the quantization_config quantizes some of its parts "
-                             f"({[p for p, q in zip(parts, quantized) if q]}) but not the others; they are one matrix here")
+                             f"({[p for p, q in zip(parts, quantized) if q]}) but not the others; "
+                             f"they are one matrix here")
         if not any(quantized):
             self.weight = nn.Parameter(torch.empty(rows, cols, dtype=dtype, device=device), requires_grad=False)
             return
