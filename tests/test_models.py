@@ -103,6 +103,14 @@ CONFIGS = {
                                   mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=16,
                                   embedding_multiplier=2.0, residual_multiplier=0.7, attention_multiplier=0.2,
                                   logits_scaling=1.5, eos_token_id=None, initializer_range=0.2)),
+    # Jamba: Mamba-1 (with its dt/B/C norms, a conv bias and in/out_proj biases) and attention (no
+    # RoPE) layers; 4 experts, 2 per token, their weights not renormalised, on layers 0 and 2, the
+    # gated MLP on 1 and 3; dt rank 8 != hidden / 16; a larger init spreads the router's logits.
+    "jamba": ("JambaConfig", "workers.models.jamba:JambaForCausalLM",
+              dict(num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                   expert_layer_offset=0, num_experts=4, num_experts_per_tok=2, mamba_d_state=16, mamba_d_conv=4,
+                   mamba_expand=2, mamba_dt_rank=8, mamba_proj_bias=True, mamba_conv_bias=True,
+                   eos_token_id=None, initializer_range=0.1)),
     # gpt-oss: sliding (window 12) and full layers alternating, attention sinks, q/k/v/o biases,
     # YaRN; 4 experts, 2 per token, with biases and the clamped activation (a limit small enough
     # that the clamps bind on these weights).
@@ -160,7 +168,8 @@ CONFIGS.update({
     "qwen3_5_moe_vl": ("Qwen3_5MoeConfig", "workers.models.qwen3_5:Qwen3_5MoeForCausalLM",
                        dict(text_config={**DELTANET, **EXPERTS}, vision_config=VISION)),
 })
-HYBRIDS = ["bamba", "nemotron_h", "nemotron_h_moe", "falcon_h1", "falcon_h1_norm", "granitemoehybrid", "granitemoehybrid_moe"]
+HYBRIDS = ["bamba", "nemotron_h", "nemotron_h_moe", "falcon_h1", "falcon_h1_norm", "granitemoehybrid", "granitemoehybrid_moe",
+           "jamba"]
 GATED_DELTANET = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl"]
 
 
