@@ -434,3 +434,41 @@ def test_llama4_experts_layout_and_quantized_checkpoints(tmp_path):
     text.quantization_config = {"quant_method": "fbgemm_fp8"}
     with pytest.raises(ValueError, match="'fbgemm_fp8'-quantized checkpoints are not supported"):
         Llama4ForCausalLM(text, TPGroup(), torch.float32, torch.device("cpu"))
+
+
+def test_jamba_stacked_experts_and_tp_shards_of_the_mamba1_mixer(tmp_path):
+    """transformers' in-memory expert layout (`experts.gate_up_proj`, `experts.down_proj`) loads
+    as the published one (`build`); at TP=2 rank 1 holds the second half of the channels: in_proj's
+    x and z halves each, the conv's, dt_proj's rows, A_log's rows and D, x_proj's input columns;
+    a Jamba whose Mamba or MLP activation is not silu is refused before any weight is read."""
+    from safetensors.torch import save_file
+
+    from workers.models.jamba import JambaForCausalLM
+    hf, ours = build("jamba")
+    hf.save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert "model.layers.0.feed_forward.experts.gate_up_proj" in state
+    save_file(state, str(tmp_path / "model.safetensors"))
+    v5 = load_model(str(tmp_path), JambaForCausalLM, TPGroup(), "float32", "cpu")
+    for (name, a), (_, b) in zip(ours.named_parameters(), v5.named_parameters()):
+        assert torch.equal(a, b), name
+
+    class Rank1:
+        world_size, rank = 2, 1
+    half = JambaForCausalLM(hf.config, Rank1(), torch.float32, torch.device("cpu"))
+    half.load_weights(state.items())
+    got, p = half.model.layers[0].mamba, "model.layers.0.mamba."
+    i = 128  # mamba_expand * hidden_size
+    assert torch.equal(got.in_proj.weight, torch.cat([state[p + "in_proj.weight"][64:128],
+                                                       state[p + "in_proj.weight"][192:]]))
+    assert torch.equal(got.in_proj.bias, torch.cat([state[p + "in_proj.bias"][64:128], state[p + "in_proj.bias"][192:]]))
+    assert torch.equal(got.conv1d.weight, state[p + "conv1d.weight"][i // 2:])
+    assert torch.equal(got.dt_proj.weight, state[p + "dt_proj.weight"][i // 2:])
+    assert torch.equal(got.dt_proj.bias, state[p + "dt_proj.bias"][i // 2:])
+    assert torch.equal(got.A_log, state[p + "A_log"][i // 2:]) and torch.equal(got.D, state[p + "D"][i // 2:])
+    assert torch.equal(got.x_proj.weight, state[p + "x_proj.weight"][:, i // 2:])
+    assert torch.equal(got.dt_layernorm.weight, state[p + "dt_layernorm.weight"])
+    wrong = transformers.JambaConfig(**{**hf.config.to_dict(), "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="'gelu' is not supported"):
+        JambaForCausalLM(wrong, TPGroup(), torch.float32, torch.device("cpu"))
