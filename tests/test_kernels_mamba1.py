@@ -166,3 +166,15 @@ def test_kernels_in_cuda_graphs_equal_the_references():
     selective_scan_varlen(x, dt, A, B, C, D, dt_bias, state, *batch.args(), z=z, out=out)
     assert rel_err(out, ref) < TOL[dtype]
     check_pages(state, before, expect, batch.written, TOL[dtype], buf)
+
+
+def test_bench_inputs_build_and_run_on_cpu():
+    """kernels.bench.mamba1 builds its inputs with any sizes; tiny ones through the references
+    equal transformers' scan there (zero initial states), and the decode arguments run."""
+    from kernels.bench import mamba1 as bench
+    inp = bench.scan_inputs(batch=2, seq_len=70, channels=24, N=16, device=DEVICE, dtype=torch.float32)
+    inp["ssm_state"].zero_()
+    out = selective_scan_varlen_ref(**inp)
+    assert rel_err(out, bench.hf_scan(inp, 2, 70)) < 1e-5
+    args = bench.decode_args(bench.scan_inputs(batch=3, seq_len=1, channels=24, N=16, device=DEVICE))
+    assert selective_scan_update_ref(**args).shape == (3, 24)
