@@ -440,7 +440,8 @@ def test_jamba_stacked_experts_and_tp_shards_of_the_mamba1_mixer(tmp_path):
     """transformers' in-memory expert layout (`experts.gate_up_proj`, `experts.down_proj`) loads
     as the published one (`build`); at TP=2 rank 1 holds the second half of the channels: in_proj's
     x and z halves each, the conv's, dt_proj's rows, A_log's rows and D, x_proj's input columns;
-    a Jamba whose Mamba or MLP activation is not silu is refused before any weight is read."""
+    a Jamba whose Mamba or MLP activation is not silu, or a quantized one, is refused before any
+    weight is read."""
     from safetensors.torch import save_file
 
     from workers.models.jamba import JambaForCausalLM
@@ -471,4 +472,7 @@ def test_jamba_stacked_experts_and_tp_shards_of_the_mamba1_mixer(tmp_path):
     assert torch.equal(got.dt_layernorm.weight, state[p + "dt_layernorm.weight"])
     wrong = transformers.JambaConfig(**{**hf.config.to_dict(), "hidden_act": "gelu"})
     with pytest.raises(ValueError, match="'gelu' is not supported"):
+        JambaForCausalLM(wrong, TPGroup(), torch.float32, torch.device("cpu"))
+    wrong = transformers.JambaConfig(**hf.config.to_dict(), quantization_config={"quant_method": "experts_int8"})
+    with pytest.raises(ValueError, match="'experts_int8'-quantized checkpoints are not supported"):
         JambaForCausalLM(wrong, TPGroup(), torch.float32, torch.device("cpu"))

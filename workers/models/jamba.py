@@ -20,7 +20,7 @@ saves): `feed_forward.experts.{e}.{gate,up,down}_proj.weight`, or transformers' 
 `feed_forward.router.weight` in both.
 
 `use_mamba_kernels`, `use_mambapy` and `use_associative_scan` choose transformers' implementation,
-not the model: they are ignored.
+not the model: they are ignored. Quantized checkpoints (`quantization_config`) are refused by name.
 """
 from __future__ import annotations
 
@@ -74,6 +74,15 @@ _PART = {"gate": ("w13", 0), "up": ("w13", 1), "down": ("w2", None), "gate_up": 
 class JambaForCausalLM(HybridForCausalLM):
     decoder_layer_cls = JambaDecoderLayer
     model_cls = HybridModel.named("final_layernorm")
+
+    def __init__(self, config, tp: TPGroup, dtype: torch.dtype, device: torch.device,
+                 max_positions: int | None = None) -> None:
+        quant = getattr(config, "quantization_config", None) or {}
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+        if method:
+            raise ValueError(f"Jamba: {method!r}-quantized checkpoints are not supported yet (quantized weights are "
+                             f"not built): use a bf16 checkpoint")
+        super().__init__(config, tp, dtype, device, max_positions)
 
     def rope_caches(self, config, kinds, device):
         return [None] * len(kinds)  # Jamba's attention has no positional embedding
