@@ -19,7 +19,7 @@ writes write_page[s] (which may be the same page).
 
 Triton: one program per (sequence, block of BLOCK_D channels) keeps the state [BLOCK_D, N] in fp32
 registers and walks the sequence's tokens in order (the recurrence is elementwise per channel: no
-matrix product to put on tensor cores). Each program reads and writes only its own channels'
+matrix product to put on tensor cores), loading each token's inputs one token ahead. Each program reads and writes only its own channels'
 state, each written element depending on the element read at the same address, so an init page
 that is also a write page has no race. A prefill's parallelism is S x Dm / BLOCK_D programs
 (Jamba-Mini at TP=1: Dm = 8192, 128 to 512 programs a sequence); BLOCK_D shrinks while the grid
@@ -44,25 +44,31 @@ __all__ = ["selective_scan_update", "selective_scan_update_ref", "selective_scan
 
 
 @triton.jit
-def _token(x_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, out_ptr, t, d, n, dm, nm, state, A, Dv, dtb,
-           sx, sdt, sb, sc, sz, so, HAS_D: tl.constexpr, HAS_DTB: tl.constexpr, HAS_Z: tl.constexpr):
-    """One token of one program's channels: the new state, its output stored."""
+def _load_token(x_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, t, d, n, dm, nm, sx, sdt, sb, sc, sz, HAS_Z: tl.constexpr):
+    """Token t's inputs for one program's channels (fp32): x, dt (raw), B, C, z (zeros without)."""
+    x = tl.load(x_ptr + t * sx + d, mask=dm, other=0.0).to(tl.float32)
     dt = tl.load(dt_ptr + t * sdt + d, mask=dm, other=0.0).to(tl.float32)
+    Bv = tl.load(B_ptr + t * sb + n, mask=nm, other=0.0).to(tl.float32)
+    Cv = tl.load(C_ptr + t * sc + n, mask=nm, other=0.0).to(tl.float32)
+    z = tl.zeros(x.shape, tl.float32)
+    if HAS_Z:
+        z = tl.load(z_ptr + t * sz + d, mask=dm, other=0.0).to(tl.float32)
+    return x, dt, Bv, Cv, z
+
+
+@triton.jit
+def _step(state, A, Dv, dtb, x, dt, Bv, Cv, z, HAS_D: tl.constexpr, HAS_DTB: tl.constexpr, HAS_Z: tl.constexpr):
+    """One token: (the new state, the output)."""
     if HAS_DTB:
         dt += dtb
     dt = tl.where(dt <= 20.0, tl.log(1.0 + tl.exp(tl.minimum(dt, 20.0))), dt)
-    x = tl.load(x_ptr + t * sx + d, mask=dm, other=0.0).to(tl.float32)
-    Bv = tl.load(B_ptr + t * sb + n, mask=nm, other=0.0).to(tl.float32)
-    Cv = tl.load(C_ptr + t * sc + n, mask=nm, other=0.0).to(tl.float32)
     state = state * tl.exp(dt[:, None] * A) + (dt * x)[:, None] * Bv[None, :]
     y = tl.sum(state * Cv[None, :], axis=1)
     if HAS_D:
         y += Dv * x
     if HAS_Z:
-        z = tl.load(z_ptr + t * sz + d, mask=dm, other=0.0).to(tl.float32)
         y = y * z / (1.0 + tl.exp(-z))
-    tl.store(out_ptr + t * so + d, y.to(out_ptr.dtype.element_ty), mask=dm)
-    return state
+    return state, y
 
 
 # The batch shape changes every step: no specialisation on these values (== 1, divisible by 16).
@@ -93,18 +99,28 @@ def _scan_varlen_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dtb_ptr, z_pt
     dtb = tl.zeros([BLOCK_D], tl.float32)
     if HAS_DTB:
         dtb = tl.load(dtb_ptr + d, mask=dm, other=0.0).to(tl.float32)
-    c_begin = _first_ge(cstart_ptr, num_chunks, seq_start)
-    c_end = _first_ge(cstart_ptr, num_chunks, seq_end)
-    for c in range(c_begin, c_end):
-        t0 = tl.load(cstart_ptr + c)
-        t1 = tl.load(cstart_ptr + c + 1)
-        t0l = t0.to(tl.int64)
-        for i in range(0, t1 - t0):
-            state = _token(x_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, out_ptr, t0l + i, d, n, dm, nm, state, A, Dv,
-                           dtb, sx, sdt, sb, sc, sz, so, HAS_D, HAS_DTB, HAS_Z)
-        wpage = tl.load(cpage_ptr + c).to(tl.int64)
-        if wpage > 0:
-            tl.store(state_ptr + wpage * st_page + st_off, state.to(state_ptr.dtype.element_ty), mask=m2)
+    # One loop over the sequence's tokens, the next token's inputs loaded before this one's state
+    # update (which waits on them otherwise: a dependent chain of one load latency a token); the
+    # state is written at the end of every chunk that has a page.
+    c = _first_ge(cstart_ptr, num_chunks, seq_start)
+    chunk_end = tl.load(cstart_ptr + c + 1)
+    start = seq_start.to(tl.int64)
+    x, dt, Bv, Cv, z = _load_token(x_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, start, d, n, dm, nm, sx, sdt, sb, sc, sz, HAS_Z)
+    for i in range(0, seq_end - seq_start):
+        t = start + i
+        more = tl.zeros([BLOCK_D], tl.int64) + t + 1 < seq_end  # (the interpreter rejects mask & scalar)
+        x1, dt1, B1, C1, z1 = _load_token(x_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, t + 1, d, n, dm & more,
+                                          nm & (tl.zeros([BLOCK_N], tl.int64) + t + 1 < seq_end),
+                                          sx, sdt, sb, sc, sz, HAS_Z)
+        state, y = _step(state, A, Dv, dtb, x, dt, Bv, Cv, z, HAS_D, HAS_DTB, HAS_Z)
+        tl.store(out_ptr + t * so + d, y.to(out_ptr.dtype.element_ty), mask=dm)
+        if t + 1 == chunk_end:
+            wpage = tl.load(cpage_ptr + c).to(tl.int64)
+            if wpage > 0:
+                tl.store(state_ptr + wpage * st_page + st_off, state.to(state_ptr.dtype.element_ty), mask=m2)
+            c += 1
+            chunk_end = tl.load(cstart_ptr + c + 1, mask=c < num_chunks, other=0)
+        x, dt, Bv, Cv, z = x1, dt1, B1, C1, z1
 
 
 @triton.jit
@@ -131,8 +147,9 @@ def _scan_update_kernel(x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, dtb_ptr, z_pt
     dtb = tl.zeros([BLOCK_D], tl.float32)
     if HAS_DTB:
         dtb = tl.load(dtb_ptr + d, mask=dm, other=0.0).to(tl.float32)
-    state = _token(x_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, out_ptr, s, d, n, dm, nm, state, A, Dv, dtb,
-                   sx, sdt, sb, sc, sz, so, HAS_D, HAS_DTB, HAS_Z)
+    x, dt, Bv, Cv, z = _load_token(x_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, s, d, n, dm, nm, sx, sdt, sb, sc, sz, HAS_Z)
+    state, y = _step(state, A, Dv, dtb, x, dt, Bv, Cv, z, HAS_D, HAS_DTB, HAS_Z)
+    tl.store(out_ptr + s * so + d, y.to(out_ptr.dtype.element_ty), mask=dm)
     if dst > 0:
         tl.store(state_ptr + dst * st_page + st_off, state.to(state_ptr.dtype.element_ty), mask=m2)
 
