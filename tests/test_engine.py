@@ -161,7 +161,7 @@ def test_chunked_local_prefix_hits_preemption_and_chunking_give_transformers_tok
         assert [o.outputs[0].token_ids for o in outs] == want[params.max_tokens], what
 
 
-@pytest.mark.parametrize("name", ["gemma4", "gemma4_vl"])
+@pytest.mark.parametrize("name", ["gemma4", "gemma4_vl", "gemma4_moe"])
 def test_gemma4_prefix_hits_preemption_and_chunking_give_transformers_tokens(tmp_path_factory, ray_cluster, name):
     """Gemma 4's layers of two page sizes (sliding: 2 KV heads of 16; full: 1 of 32 with k_eq_v,
     2 of 32 without), the KV-sharing layers reading their targets' pages (gemma4) and the

@@ -170,6 +170,12 @@ CONFIGS.update({
                   dict(text_config={**GEMMA4, "attention_k_eq_v": False, "num_kv_shared_layers": 0},
                        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                           num_attention_heads=2, num_key_value_heads=2, head_dim=16))),
+    # The 26B-A4B layout: experts beside every layer's MLP (4 experts of 32, 2 per token, a
+    # per-expert scale), k_eq_v, no KV sharing, no per-layer inputs; a larger init spreads the
+    # router's logits, so that no top-k choice rests on a near tie.
+    "gemma4_moe": ("Gemma4TextConfig", "workers.models.gemma4:Gemma4ForCausalLM",
+                   {**GEMMA4, "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0, "enable_moe_block": True,
+                    "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32, "initializer_range": 0.1}),
 })
 HYBRIDS = ["bamba", "nemotron_h", "falcon_h1", "falcon_h1_norm", "granitemoehybrid", "granitemoehybrid_moe"]
 GATED_DELTANET = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl"]
@@ -200,7 +206,7 @@ def build(name: str, seed: int = 0, device: str = "cpu"):
     # Random (not HF's small init) norm weights and biases, so every parameter matters.
     with torch.no_grad():
         for n, p in hf.named_parameters():
-            if "norm" in n or n.endswith("bias"):
+            if "norm" in n or n.endswith(("bias", "router.scale", "per_expert_scale")):
                 p.copy_(torch.randn_like(p) * 0.5 + (1.0 if "norm" in n else 0.0))
         for n, b in hf.named_buffers():  # Gemma 4's per-layer output scale, saved with the weights
             if n.endswith("layer_scalar"):
@@ -236,7 +242,7 @@ def test_prefill_logits_and_greedy_match_transformers(name):
     assert h.greedy(prompt, 32) == want
 
 
-@pytest.mark.parametrize("name", ["mistral", "qwen3", "gemma2", "gemma3", "gemma4", "cohere2", "gpt_oss", "llama4", *HYBRIDS,
+@pytest.mark.parametrize("name", ["mistral", "qwen3", "gemma2", "gemma3", "gemma4", "gemma4_moe", "cohere2", "gpt_oss", "llama4", *HYBRIDS,
                                   *GATED_DELTANET])
 def test_chunked_prefill_and_prefix_hit_equal_one_prefill(name):
     hf, ours = build(name, device=DEVICE)

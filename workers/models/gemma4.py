@@ -17,19 +17,23 @@ As transformers' Gemma4TextModel:
   K/V of the last earlier layer of their type (the KV cache plan's `shared_layers`: bound to
   that layer's cache view, they store nothing); with `use_double_wide_mlp` their MLP is twice
   `intermediate_size`;
-* per-layer inputs (`hidden_size_per_layer_input` P): `embed_tokens_per_layer` (scaled by
-  sqrt(P)) gives each token L x P values, `per_layer_model_projection` of the scaled embedding
-  (times hidden ** -0.5, then `per_layer_projection_norm` over each P) others; their sum times
-  2 ** -0.5 is layer i's input. After its MLP, a layer adds
+* per-layer inputs (`hidden_size_per_layer_input` P, L layers): each token's row of
+  `embed_tokens_per_layer` (L x P, times sqrt(P)) plus `per_layer_projection_norm` (over each P)
+  of `per_layer_model_projection`(the scaled embedding) times hidden ** -0.5, the sum times
+  2 ** -0.5, gives layer i its input_i. After its MLP a layer adds
   post_per_layer_input_norm(per_layer_projection(gelu(per_layer_input_gate(h)) * input_i));
 * each layer's output is multiplied by its `layer_scalar` (a checkpoint buffer);
-* `enable_moe_block`: experts beside the dense MLP (see `Gemma4MoE`);
+* `enable_moe_block`: routed experts beside the dense MLP, both fed from the attention block's
+  output (the MLP's residual): the MLP's output normed by post_feedforward_layernorm_1, the
+  experts' (input normed by pre_feedforward_layernorm_2) by post_feedforward_layernorm_2, their
+  sum by post_feedforward_layernorm (the router: `Gemma4Router`);
 * embedding times sqrt(hidden) rounded to the weights' dtype, tied LM head, final-logit
   soft-capping when configured.
 
 Tensor parallelism as Gemma 3: query heads split, KV heads split or replicated when fewer than
-the ranks; the per-layer-input projections are small and replicated; their embedding table is
-split by vocabulary as the main one.
+the ranks; the per-layer-input projections and the router are small and replicated; the
+per-layer embedding table is split by vocabulary as the main one; each expert's intermediate
+size is split (`workers.layers.moe`).
 
 Gemma4ForConditionalGeneration: its text weights under `model.language_model.`; the vision and
 audio towers and their embedders are not read; images and audio are refused by the engine's
@@ -45,10 +49,12 @@ from kernels.rotary import make_rope_cache
 from workers.layers.attention import Attention, AttentionMetadata
 from workers.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from workers.layers.linear import QKVParallelLinear, RowParallelLinear
+from workers.layers.moe import FusedMoE
 from workers.models.base import DecoderForCausalLM, multimodal_shapes, text_name
 from workers.models.gemma2 import softcap_logits
 from workers.models.llama import LlamaMLP, RMSNorm, layer_kinds
-from workers.ops import act_and_mul, linear_op, qk_norm_rope_op, rms_norm_op, rotary_op
+from workers.ops import (act_and_mul, fused_experts_op, linear_op, qk_norm_rope_op, rms_norm_op, rotary_op,
+                         topk_softmax_op)
 from workers.parallel import TPGroup
 
 
@@ -121,6 +127,48 @@ class Gemma4Attention(nn.Module):
         return self.o_proj(self.attn(q, k, v, meta))
 
 
+class Gemma4Router(nn.Module):
+    """transformers' Gemma4TextRouter: logits of rms_norm(x) (no weight) * scale * hidden ** -0.5;
+    the softmax over all experts in fp32, the top k renormalised to sum 1 (the softmax over the
+    k), each then times its expert's `per_expert_scale`. Replicated on every rank."""
+
+    def __init__(self, config, dtype, device) -> None:
+        super().__init__()
+        h, e = config.hidden_size, int(config.num_experts)
+        self.proj = ReplicatedLinear(h, e, dtype, device)
+        self.scale = nn.Parameter(torch.ones(h, dtype=dtype, device=device), requires_grad=False)
+        self.per_expert_scale = nn.Parameter(torch.ones(e, dtype=dtype, device=device), requires_grad=False)
+        self.eps, self.root = float(config.rms_norm_eps), h ** -0.5
+        self.top_k = int(config.top_k_experts)
+        if not 1 <= self.top_k <= e:
+            raise ValueError(f"Gemma 4: top_k_experts must be 1 to {e} (num_experts), got {self.top_k}")
+        self.register_buffer("ones", torch.ones(h, dtype=dtype, device=device), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.proj(rms_norm_op(x, self.ones, self.eps) * self.scale * self.root)
+        weights, ids = topk_softmax_op(logits, self.top_k, torch.float32)
+        return (weights * self.per_expert_scale.float()[ids]).to(x.dtype), ids
+
+
+class Gemma4Experts(nn.Module):
+    """The router and the experts ([E, 2I, H] gate rows then up rows, [E, H, I], as the
+    checkpoint's `experts.gate_up_proj` / `experts.down_proj`), each expert's intermediate size
+    split across the ranks; this rank's partial sum all-reduced here."""
+
+    def __init__(self, config, tp: TPGroup, dtype, device, prefix: str) -> None:
+        super().__init__()
+        self.router = Gemma4Router(config, dtype, device)
+        self.experts = FusedMoE(int(config.num_experts), int(config.top_k_experts), config.hidden_size,
+                                int(config.moe_intermediate_size), config.hidden_activation, tp, dtype, device,
+                                f"{prefix}.experts")
+        self.tp = tp
+
+    def forward(self, router_input: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.router(router_input)
+        e = self.experts
+        return self.tp.all_reduce(fused_experts_op(x, e.w13, e.w2, weights, ids, e.act))
+
+
 class Gemma4DecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, kind: str, tp: TPGroup, dtype, device, rope_cache) -> None:
         super().__init__()
@@ -141,6 +189,12 @@ class Gemma4DecoderLayer(nn.Module):
             self.per_layer_projection = ReplicatedLinear(self.per_layer, h, dtype, device)
             self.post_per_layer_input_norm = RMSNorm(h, eps, dtype, device)
             self.act = act_and_mul(config.hidden_activation)  # act(gate) * input as one op
+        self.moe = None
+        if getattr(config, "enable_moe_block", False):
+            # named as the checkpoint: layers.i.router.*, layers.i.experts.*
+            self.moe = Gemma4Experts(config, tp, dtype, device, prefix)
+            for name in ("post_feedforward_layernorm_1", "post_feedforward_layernorm_2", "pre_feedforward_layernorm_2"):
+                setattr(self, name, RMSNorm(h, eps, dtype, device))
         self.tp = tp
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, per_layer_input: torch.Tensor | None,
@@ -150,6 +204,9 @@ class Gemma4DecoderLayer(nn.Module):
         h, residual = rms_norm_op(a, self.pre_feedforward_layernorm.weight, self.pre_feedforward_layernorm.eps,
                                   x, pre_weight=self.post_attention_layernorm.weight)
         m = self.mlp(h)
+        if self.moe is not None:
+            experts = self.moe(residual, self.pre_feedforward_layernorm_2(residual))
+            m = self.post_feedforward_layernorm_1(m) + self.post_feedforward_layernorm_2(experts)
         x = self.post_feedforward_layernorm(m) + residual
         if self.per_layer:
             g = self.act(torch.cat([self.per_layer_input_gate(x), per_layer_input], dim=-1))
@@ -205,8 +262,6 @@ class Gemma4ForCausalLM(DecoderForCausalLM):
         if getattr(text, "use_bidirectional_attention", None) == "all":
             raise ValueError("Gemma 4: use_bidirectional_attention='all' (every token attending to later ones) is "
                              "not supported: only causal attention is served")
-        if getattr(text, "enable_moe_block", False):
-            raise ValueError("Gemma 4: enable_moe_block (the experts beside each layer's MLP) is not supported yet")
         self.hf_config, self.config, self.tp = config, text, tp
         self.multimodal = text is not config
         self.max_positions = max_positions or text.max_position_embeddings
@@ -242,14 +297,35 @@ class Gemma4ForCausalLM(DecoderForCausalLM):
 
     # ---- weights -------------------------------------------------------------------------
     def checkpoint_to_param(self, name: str) -> tuple[str, object]:
-        return super().checkpoint_to_param(text_name(name))
+        """Ours nest the router and the experts under `moe`: layers.i.router.* ->
+        layers.i.moe.router.*, layers.i.experts.{gate_up,down}_proj -> layers.i.moe.experts.{w13,w2}."""
+        name = text_name(name)
+        for ckpt, ours in _MOE_NAMES.items():
+            if ckpt in name:
+                return name.replace(ckpt, ours), None
+        return super().checkpoint_to_param(name)
+
+    def text_checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        out = {}
+        for name, shape in super().expected_checkpoint_shapes().items():
+            for ckpt, ours in _MOE_NAMES.items():
+                if ours in name:
+                    name = name.replace(ours, ckpt)
+                    break
+            out[name] = shape
+        return out
 
     def expected_checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
-        shapes = super().expected_checkpoint_shapes()
+        shapes = self.text_checkpoint_shapes()
         return multimodal_shapes(shapes) if self.multimodal else shapes
 
     def missing_weights(self, loaded: set[str]) -> list[str]:
-        return sorted(set(super().expected_checkpoint_shapes()) - {text_name(n) for n in loaded})
+        return sorted(set(self.text_checkpoint_shapes()) - {text_name(n) for n in loaded})
+
+
+# checkpoint name part -> ours
+_MOE_NAMES = {".router.": ".moe.router.", ".experts.gate_up_proj": ".moe.experts.w13",
+              ".experts.down_proj": ".moe.experts.w2"}
 
 
 __all__ = ["Gemma4ForCausalLM"]
