@@ -95,7 +95,8 @@ def main() -> int:
         nbytes = batch * read * HKV * D * 2 * 2
         ref = paged_attention(q, kv, table, qsl, lens, 1, length, D ** -0.5, sliding_window=window)
         base_cfg = default_config(1, D, HQ // HKV, BS, window, length)
-        base_splits = choose_num_splits(batch, HKV, length, _num_sms(q.device), base_cfg["TILE_N"])
+        base_splits = choose_num_splits(batch, HKV, length, _num_sms(q.device), base_cfg["TILE_N"],
+                                        max_splits=8 if D > 256 else 32)
         results = []
         if batch == 1:  # latency-bound: only the split count matters
             grid = [(base_cfg["TILE_N"], base_cfg["num_warps"], base_cfg["num_stages"], sp) for sp in (1, 2, 4, 8, 16)]
