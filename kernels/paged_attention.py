@@ -247,6 +247,15 @@ def default_config(max_query_len: int, head_dim: int, gqa: int, block_size: int,
     Hq=32, Hkv=8: `distengine bench kernels --sweep`; D=256 with Hq=16, Hkv=8, Gemma-3-12B's
     shape: kernels/bench/sweep_decode_attention.py)."""
     block_m = max(16, _next_pow2(gqa))
+    if head_dim > 256:
+        # Gemma 4's full layers (D=512, Hq=32, Hkv=4; `kernels/bench/sweep_decode_attention.py
+        # --heads gemma4 [--prefill]`, H200): 32-key tiles, two stages. Decode at 3.8-4.1 TB/s
+        # (B=128 x 600, B=16 x 16k). Prefill: 64 query rows with 8 warps, 12.4 ms for 8,192 tokens
+        # against 14.2 with 32 rows and 25.1 with 32 rows and 8 warps; wider key tiles or a third
+        # stage spill or overflow shared memory.
+        if max_query_len == 1:
+            return {"BLOCK_M": block_m, "TILE_N": 32, "num_warps": 4, "num_stages": 2}
+        return {"BLOCK_M": max(block_m, 64), "TILE_N": 32, "num_warps": 8, "num_stages": 2}
     if max_query_len == 1:  # decode: bandwidth-bound, 4 warps keep enough loads in flight
         # A window's first tile is partly masked: wider tiles waste less at D=128 (W=1024: 0.082
         # vs 0.106 ms); at D=256 a 128-key tile is too large (B=128, 600 tokens: 210 vs 176 us).
@@ -293,7 +302,10 @@ def paged_attention(
     block_m = cfg["BLOCK_M"]
     block_q = max(1, block_m // gqa)
     if num_splits is None:
-        num_splits = (choose_num_splits(num_seqs, num_kv_heads, max_seq_len, _num_sms(q.device), cfg["TILE_N"])
+        # At D=512 each split's partial row is 2 KiB to merge: 8 splits at most (B=1, 600 keys,
+        # H200: 41 us against 56 with the 32 the rule gives D=256).
+        num_splits = (choose_num_splits(num_seqs, num_kv_heads, max_seq_len, _num_sms(q.device), cfg["TILE_N"],
+                                        max_splits=8 if head_dim > 256 else 32)
                       if max_query_len == 1 else 1)
     head_dim_pad = max(16, _next_pow2(head_dim))
     k_cache, v_cache = kv_cache[:, 0], kv_cache[:, 1]

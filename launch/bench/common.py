@@ -54,6 +54,10 @@ SHAPES = {
     # Nemotron-3-Nano-30B-A3B: 23 Mamba-2, 23 MoE (128 ungated relu^2 experts, 6 per token, beside
     # a shared expert) and 6 attention layers, one mixer a layer.
     "nemotron-3-nano-30b-a3b": ("nemotron_h", ("nemotron-3-nano-30b-a3b", {})),
+    # Gemma 4: 5 sliding-window (head 256) : 1 full layers (head 512, keys as values), the text
+    # models of the published checkpoints; 26B-A4B adds 128 experts (8 per token) beside each MLP.
+    "gemma-4-31b": ("gemma4_text", ("gemma-4-31b", {})),
+    "gemma-4-26b-a4b": ("gemma4_text", ("gemma-4-26b-a4b", {})),
     # Jamba-1.5-Mini: 28 Mamba-1 and 4 attention (GQA, no RoPE) layers, 16 experts (2 per token)
     # on every other layer and a gated MLP on the others; ~52B parameters, ~104 GB in bf16: one
     # H200 with --load-format dummy (its random checkpoint would not fit the disk), an H100 with
