@@ -512,3 +512,24 @@ def test_jamba_stacked_experts_and_tp_shards_of_the_mamba1_mixer(tmp_path):
     wrong = transformers.JambaConfig(**hf.config.to_dict(), quantization_config={"quant_method": "experts_int8"})
     with pytest.raises(ValueError, match="'experts_int8'-quantized checkpoints are not supported"):
         JambaForCausalLM(wrong, TPGroup(), torch.float32, torch.device("cpu"))
+
+
+def test_jamba_without_biases_or_experts_matches_transformers(monkeypatch):
+    """The other side of Jamba's switches: no in/out_proj or conv bias, one expert (every layer a
+    gated MLP, as JambaConfig's num_experts=1), attention first (attn_layer_offset 0)."""
+    monkeypatch.setitem(CONFIGS, "jamba_plain", ("JambaConfig", "workers.models.jamba:JambaForCausalLM",
+                                                 dict(num_hidden_layers=3, attn_layer_period=3, attn_layer_offset=0,
+                                                      num_experts=1, mamba_d_state=8, mamba_dt_rank=4,
+                                                      mamba_proj_bias=False, mamba_conv_bias=False,
+                                                      eos_token_id=None, initializer_range=0.1)))
+    hf, ours = build("jamba_plain")
+    assert ours.model.layers[1].mamba.conv1d.bias is None and ours.model.layers[1].mamba.out_proj.bias is None
+    h = Harness(ours, hf.config)
+    prompt = torch.randint(0, 300, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                           attention_mask=torch.ones(1, 30, dtype=torch.long))[0, 30:].tolist()
+    got, _ = h.prefill_logits(prompt)
+    assert (got - ref).abs().max().item() < 1e-3
+    assert h.greedy(prompt, 16) == want
