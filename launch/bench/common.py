@@ -58,6 +58,11 @@ SHAPES = {
     # models of the published checkpoints; 26B-A4B adds 128 experts (8 per token) beside each MLP.
     "gemma-4-31b": ("gemma4_text", ("gemma-4-31b", {})),
     "gemma-4-26b-a4b": ("gemma4_text", ("gemma-4-26b-a4b", {})),
+    # Jamba-1.5-Mini: 28 Mamba-1 and 4 attention (GQA, no RoPE) layers, 16 experts (2 per token)
+    # on every other layer and a gated MLP on the others; ~52B parameters, ~104 GB in bf16: one
+    # H200 with --load-format dummy (its random checkpoint would not fit the disk), an H100 with
+    # --num-layers 16 (~52 GB).
+    "jamba-mini": ("jamba", ("jamba-mini", {})),
     # For tests on CPU.
     "tiny": ("gemma3_text", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
                                  num_key_value_heads=2, head_dim=16, sliding_window=16, vocab_size=512, **_GEMMA3)),
