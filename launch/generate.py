@@ -64,4 +64,5 @@ def add_arguments(p) -> None:
                    help="fraction of each GPU the engine may use (weights, activations, KV cache)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="the attention K/V's dtype: auto (the model's) or fp8 / fp8_e4m3 (e4m3 with per-layer scales, twice the tokens)")
+                   help="the attention K/V's dtype: auto (the model's) or fp8 / fp8_e4m3 (e4m3 with per-layer "
+                        "scales, twice the tokens)")

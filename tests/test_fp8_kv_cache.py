@@ -5,14 +5,16 @@ against the same model with its float cache, and the roofline of `bench latency`
 The bound of the end-to-end checks: e4m3 keeps 3 mantissa bits, so a stored K or V element is
 within 2^-4 (6.25%) of its value, and attention averages such errors over the keys; on these
 weights the largest logprob difference from the float cache is 0.035 nats (Gemma-3, 257 of 278
-tokens kept) and 0.038 (Bamba, 276 of 278), so the tests allow 0.1 (over 2.5x). A fault in the fp8 path (a scale not applied, a value not
-converted) moves logprobs by whole nats. If no logprob moves by more than d, the greedy token
-can change only where the float cache's top two are within 2d: the tests check that, and that
-at least 90% of the positions keep their token (teacher-forced: every position of the same
-sequences, so one changed token does not change all that follow)."""
+tokens kept) and 0.038 (Bamba, 276 of 278), so the tests allow 0.1 (over 2.5x). A fault in the
+fp8 path (a scale not applied, a value not converted) moves logprobs by whole nats. If no
+logprob moves by more than d, the greedy token can change only where the float cache's top two
+are within 2d: the tests check that, and that at least 90% of the positions keep their token
+(teacher-forced: every position of the same sequences, so one changed token does not change all
+that follow). At TP=2 as at TP=1; on a GPU, inside CUDA graphs (marked gpu)."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -103,10 +105,12 @@ def _save(hf, folder, scales=None) -> str:
     return str(folder)
 
 
-def _teacher_forced(folder: str, kv_cache_dtype: str, prompts: list[list[int]], inspect=None):
+CPU = dict(device="cpu", dtype="float32", block_size=4, max_model_len=128)
+
+
+def _teacher_forced(folder: str, kv_cache_dtype: str, prompts: list[list[int]], inspect=None, options=CPU):
     params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=2)
-    with LLM(folder, device="cpu", dtype="float32", block_size=4, max_model_len=128,
-             kv_cache_dtype=kv_cache_dtype) as llm:
+    with LLM(folder, kv_cache_dtype=kv_cache_dtype, **options) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         seen = llm.collective_rpc(inspect) if inspect else None
     return [pos for o in outs for pos in o.prompt_logprobs[1:]], seen
@@ -145,11 +149,7 @@ def _cache_dtypes(worker):
 def test_llm_fp8_cache_with_checkpoint_scales_matches_the_float_cache(tmp_path):
     """Gemma-3 (sliding and full layers, q/k norms): the fp8 cache with per-layer scales from the
     checkpoint, against the float32 cache on the same sequences."""
-    scales = {}
-    for i in range(6):
-        scales[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.05 + 0.01 * i)
-        scales[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.02)
-    folder = _gemma3(tmp_path, scales)
+    folder = _gemma3_with_scales(tmp_path)
     prompts = _prompts()
     ref, seen = _teacher_forced(folder, "auto", prompts, _cache_dtypes)
     assert {d for *_, d, s in seen[0]} == {torch.float32} and all(s is None for *_, s in seen[0])
@@ -225,3 +225,51 @@ def test_latency_roofline_counts_the_fp8_kv_bytes(tmp_path, capsys):
     assert main(["bench", "latency", "--model", folder, "--device", "cpu", "--batch-size", "2", "--input-len", "8",
                  "--output-len", "4", "--num-iters", "1", "--num-iters-warmup", "0", "--kv-cache-dtype", "fp8"]) == 0
     assert "KV cache fp8 (1 B an element, as the roofline counts it)" in capsys.readouterr().out
+
+
+def _gemma3_with_scales(tmp_path) -> str:
+    return _gemma3(tmp_path, {f"model.layers.{i}.self_attn.{w}_scale": torch.tensor(s)
+                              for i in range(6) for w, s in (("k", 0.05 + 0.01 * i), ("v", 0.02))})
+
+
+@pytest.mark.gpu
+def test_fp8_cache_on_gpu_with_cuda_graphs(tmp_path):
+    """The Triton store and attention kernels on an fp8 cache, decode steps inside CUDA graphs:
+    the tokens of the eager engine, and (teacher-forced) the float cache's within the bound."""
+    folder = _gemma3_with_scales(tmp_path)
+    gpu = dict(device="cuda", dtype="float32", block_size=16, max_model_len=256, max_num_seqs=8,
+               gpu_memory_utilization=0.3)
+    prompts = _prompts()
+    _compare(_teacher_forced(folder, "auto", prompts, options=gpu)[0],
+             _teacher_forced(folder, "fp8", prompts, options=gpu)[0])
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    tokens = {}
+    for eager in (False, True):
+        with LLM(folder, kv_cache_dtype="fp8", **dict(gpu, enforce_eager=eager)) as llm:
+            assert (llm.executor.worker.runner.graphs is None) == eager
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        tokens[eager] = [o.outputs[0].token_ids for o in outs]
+    assert tokens[False] == tokens[True]
+
+
+def test_tp2_fp8_cache_reads_the_scales_on_every_rank(tmp_path):
+    """At TP=2 (Ray, gloo) each rank stores its KV heads in e4m3 with the layer's scales."""
+    ray = pytest.importorskip("ray")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # The workers cannot import this test module: `_cache_dtypes` travels by value.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    try:
+        folder = _gemma3_with_scales(tmp_path)
+        prompts = _prompts(2)
+        ref, _ = _teacher_forced(folder, "auto", prompts)
+        got, seen = _teacher_forced(folder, "fp8", prompts, _cache_dtypes, dict(CPU, tensor_parallel_size=2))
+    finally:
+        if started:
+            ray.shutdown()
+    assert len(seen) == 2
+    for rank in seen:
+        assert [(d, s) for _, _, d, s in rank] == [
+            (torch.float8_e4m3fn, pytest.approx((0.05 + 0.01 * i, 0.02), rel=1e-6)) for i in range(6)]
+    _compare(ref, got)

@@ -302,7 +302,8 @@ def engine_summary(info) -> dict:
     """What a benchmark's JSON records of the engine it measured (an `EngineInfo`)."""
     cfg, plan = info.config, info.plan
     return dict(device=info.devices[0].device, device_name=info.devices[0].name, tp_size=plan.tp_size,
-                dtype=cfg.dtype, kv_cache_dtype=cfg.kv_cache_dtype, weight_bytes=info.memory[0].weight_bytes, block_size=plan.block_size,
+                dtype=cfg.dtype, kv_cache_dtype=cfg.kv_cache_dtype, weight_bytes=info.memory[0].weight_bytes,
+                block_size=plan.block_size,
                 block_bytes=plan.block_bytes, num_blocks=info.num_blocks, num_groups=len(plan.groups),
                 max_model_len=plan.max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
                 cuda_graphs=list(cfg.cuda_graph_sizes) if info.uses_cuda_graphs else [],

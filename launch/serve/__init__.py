@@ -56,7 +56,8 @@ def add_arguments(p) -> None:
                         "at each step's last block end and where prompts diverge; 1: every block)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="the attention K/V's dtype: auto (the model's) or fp8 / fp8_e4m3 (e4m3 with per-layer scales, twice the tokens)")
+                   help="the attention K/V's dtype: auto (the model's) or fp8 / fp8_e4m3 (e4m3 with per-layer "
+                        "scales, twice the tokens)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"], help="model dtype")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="where the workers run")
     p.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: $RAY_ADDRESS, else local)")
