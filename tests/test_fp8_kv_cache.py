@@ -273,3 +273,42 @@ def test_tp2_fp8_cache_reads_the_scales_on_every_rank(tmp_path):
         assert [(d, s) for _, _, d, s in rank] == [
             (torch.float8_e4m3fn, pytest.approx((0.05 + 0.01 * i, 0.02), rel=1e-6)) for i in range(6)]
     _compare(ref, got)
+
+
+@pytest.mark.parametrize("name", ["gemma4", "bamba"])
+def test_fp8_cache_equals_a_float_cache_of_the_rounded_values(tmp_path, monkeypatch, name):
+    """The exact oracle, free of the model's sensitivity: the float cache storing each K and V as
+    e4m3(x / scale) x scale gives the fp8 cache's logprobs, bit for bit. On Gemma-4 (sliding and
+    full layers of different head sizes, layers reading another's K/V with its scales) and on
+    Bamba (Mamba states beside the e4m3 attention), with the checkpoint's scales. (Bamba's fp8
+    blocks are twice as long, its page being sized by the state: the prefill's Mamba scan stops
+    at other block ends, float32 sums in another order, so there to 1e-5.)"""
+    from safetensors import safe_open
+
+    from kernels.kv_store import FP8_DTYPE
+    import workers.layers.attention as attention
+    hf, _ = build(name)
+    folder = _save(hf, tmp_path / name)
+    with safe_open(f"{folder}/model.safetensors", "pt") as f:
+        blocks = [n[: -len(".k_proj.weight")] for n in f.keys() if n.endswith("self_attn.k_proj.weight")]
+    assert blocks
+    k_scale, v_scale = 0.05, 0.02
+    _save(hf, tmp_path / name, {f"{b}.{w}_scale": torch.tensor(s) for b in blocks
+                                for w, s in (("k", k_scale), ("v", v_scale))})
+    store = attention.store_kv_op
+
+    def rounded(k, v, cache, slots, **scales):
+        def r(x, s):
+            return ((x.float() / s).clamp(-448, 448).to(FP8_DTYPE).float() * s).to(x.dtype)
+        return store(r(k, k_scale), r(v, v_scale), cache, slots, **scales)
+    prompts = _prompts(2, seed=2)
+    monkeypatch.setattr(attention, "store_kv_op", rounded)
+    oracle, _ = _teacher_forced(folder, "auto", prompts)
+    monkeypatch.setattr(attention, "store_kv_op", store)
+    got, seen = _teacher_forced(folder, "fp8", prompts, _cache_dtypes)
+    assert all(s == pytest.approx((k_scale, v_scale)) for _, what, _, s in seen[0] if what == "kv")
+    if name == "bamba":
+        assert [d.keys() for d in got] == [d.keys() for d in oracle]
+        assert max(abs(a[t] - b[t]) for a, b in zip(got, oracle) for t in a) < 1e-5
+    else:
+        assert got == oracle
