@@ -175,7 +175,8 @@ def load_model(path: str | os.PathLike, model_cls: type, tp: TPGroup,
     missing = model.missing_weights(set(loaded))
     if missing:
         raise MissingWeightsError(f"{len(missing)} model parameters got no weight from {path}: {_some(missing)}")
-    scales = kv_scale_names(found) if kv_cache_dtype in FP8_KV_CACHE_DTYPES else {}
+    # (a tensor the model itself takes is a weight, whatever its name)
+    scales = kv_scale_names(set(found) - set(expected)) if kv_cache_dtype in FP8_KV_CACHE_DTYPES else {}
     if scales:
         load_kv_scales(model, iterate_weights(path, names=scales.keys()), scales)
     return model.eval()
