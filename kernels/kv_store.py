@@ -116,9 +116,10 @@ def store_kv_ref(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     slots = slot_mapping[keep]
     blk, off = slots // block_size, slots % block_size
     # kv_cache[:, i] is a view, so the index_put writes through to the (possibly strided) cache.
-    if is_fp8(kv_cache):
-        kv_cache[:, 0][blk, off] = quantize_fp8_ref(key[keep], k_scale)
-        kv_cache[:, 1][blk, off] = quantize_fp8_ref(value[keep], v_scale)
+    if is_fp8(kv_cache):  # as bytes: not every torch build indexes float8 tensors
+        raw = kv_cache.view(torch.uint8)
+        raw[:, 0][blk, off] = quantize_fp8_ref(key[keep], k_scale).view(torch.uint8)
+        raw[:, 1][blk, off] = quantize_fp8_ref(value[keep], v_scale).view(torch.uint8)
         return
     kv_cache[:, 0][blk, off] = key[keep].to(kv_cache.dtype)
     kv_cache[:, 1][blk, off] = value[keep].to(kv_cache.dtype)

@@ -41,8 +41,8 @@ def paged_attention_ref(
         kpos = torch.arange(lo, seq_len, device=q.device)
         blocks = block_table[s, kpos // block_size].long()
         slots = kpos % block_size
-        k = kv_cache[blocks, 0, slots].to(compute) * ks  # [n, Hkv, D]
-        v = kv_cache[blocks, 1, slots].to(compute) * vs
+        k = _gather(kv_cache, blocks, 0, slots).to(compute) * ks  # [n, Hkv, D]
+        v = _gather(kv_cache, blocks, 1, slots).to(compute) * vs
         qs = q[q0:q1].to(compute).reshape(q_len, num_kv_heads, gqa, head_dim)
         scores = torch.einsum("qhgd,nhd->hgqn", qs, k) * scale
         if head_scale is not None:
@@ -64,3 +64,11 @@ def paged_attention_ref(
         o = torch.einsum("hgqn,nhd->qhgd", probs, v)
         out[q0:q1] = o.reshape(q_len, num_q_heads, head_dim).to(out.dtype)
     return out
+
+
+def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor, kv: int, slots: torch.Tensor) -> torch.Tensor:
+    """K (kv=0) or V of the given positions; an fp8 cache's as bytes (not every torch build
+    indexes float8 tensors), then read back as e4m3."""
+    if is_fp8(kv_cache):
+        return kv_cache.view(torch.uint8)[blocks, kv, slots].view(kv_cache.dtype)
+    return kv_cache[blocks, kv, slots]
