@@ -275,19 +275,27 @@ def test_tp2_fp8_cache_reads_the_scales_on_every_rank(tmp_path):
     _compare(ref, got)
 
 
-@pytest.mark.parametrize("name", ["gemma4", "bamba"])
+@pytest.mark.parametrize("name", ["gemma4_packed", "bamba"])
 def test_fp8_cache_equals_a_float_cache_of_the_rounded_values(tmp_path, monkeypatch, name):
     """The exact oracle, free of the model's sensitivity: the float cache storing each K and V as
-    e4m3(x / scale) x scale gives the fp8 cache's logprobs, bit for bit. On Gemma-4 (sliding and
-    full layers of different head sizes, layers reading another's K/V with its scales) and on
-    Bamba (Mamba states beside the e4m3 attention), with the checkpoint's scales. (Bamba's fp8
-    blocks are twice as long, its page being sized by the state: the prefill's Mamba scan stops
-    at other block ends, float32 sums in another order, so there to 1e-5.)"""
+    e4m3(x / scale) x scale gives the fp8 cache's logprobs, bit for bit. On Gemma-4 with full
+    layers of half the sliding layers' K/V per token (packed pages: two full layers' sub-pages
+    share a page) and layers reading another's K/V with its scales, and on Bamba (Mamba states
+    beside the e4m3 attention), with the checkpoint's scales. (Bamba's fp8 blocks are twice as
+    long, its page being sized by the state: the prefill's Mamba scan stops at other block ends,
+    float32 sums in another order, so there to 1e-5.)"""
     from safetensors import safe_open
 
     from kernels.kv_store import FP8_DTYPE
     import workers.layers.attention as attention
+    cls, path, extra = CONFIGS["gemma4"]
+    monkeypatch.setitem(CONFIGS, "gemma4_packed", (cls, path, dict(
+        extra, global_head_dim=16, layer_types=["sliding_attention", "full_attention", "full_attention",
+                                                "sliding_attention", "sliding_attention", "full_attention"])))
     hf, _ = build(name)
+    if name == "gemma4_packed":
+        plan = make_plan(parse_model_config(hf.config.to_dict(), kv_cache_dtype="fp8", dtype="float32"), 1, 4, 128)
+        assert plan.layout == "packed" and {p.sub_page for p in plan.layer_slots.values()} == {0, 1}
     folder = _save(hf, tmp_path / name)
     with safe_open(f"{folder}/model.safetensors", "pt") as f:
         blocks = [n[: -len(".k_proj.weight")] for n in f.keys() if n.endswith("self_attn.k_proj.weight")]
