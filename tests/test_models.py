@@ -103,6 +103,14 @@ CONFIGS = {
                                   mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=16,
                                   embedding_multiplier=2.0, residual_multiplier=0.7, attention_multiplier=0.2,
                                   logits_scaling=1.5, eos_token_id=None, initializer_range=0.2)),
+    # Jamba: Mamba-1 (with its dt/B/C norms, a conv bias and in/out_proj biases) and attention (no
+    # RoPE) layers; 4 experts, 2 per token, their weights not renormalised, on layers 0 and 2, the
+    # gated MLP on 1 and 3; dt rank 8 != hidden / 16; a larger init spreads the router's logits.
+    "jamba": ("JambaConfig", "workers.models.jamba:JambaForCausalLM",
+              dict(num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                   expert_layer_offset=0, num_experts=4, num_experts_per_tok=2, mamba_d_state=16, mamba_d_conv=4,
+                   mamba_expand=2, mamba_dt_rank=8, mamba_proj_bias=True, mamba_conv_bias=True,
+                   eos_token_id=None, initializer_range=0.1)),
     # gpt-oss: sliding (window 12) and full layers alternating, attention sinks, q/k/v/o biases,
     # YaRN; 4 experts, 2 per token, with biases and the clamped activation (a limit small enough
     # that the clamps bind on these weights).
@@ -160,7 +168,35 @@ CONFIGS.update({
     "qwen3_5_moe_vl": ("Qwen3_5MoeConfig", "workers.models.qwen3_5:Qwen3_5MoeForCausalLM",
                        dict(text_config={**DELTANET, **EXPERTS}, vision_config=VISION)),
 })
-HYBRIDS = ["bamba", "nemotron_h", "nemotron_h_moe", "falcon_h1", "falcon_h1_norm", "granitemoehybrid", "granitemoehybrid_moe"]
+# Gemma 4: 4 sliding (head 16, 2 KV heads) and 2 full layers (head 32, 1 KV head: k_eq_v, values
+# from the key projection), proportional RoPE on a quarter of the full heads; per-layer inputs of 8;
+# the last 2 layers (one of each type) read the K/V of layers 3 and 1 with a double-wide MLP;
+# final-logit soft-capping small enough to bend the logits.
+GEMMA4 = dict(num_hidden_layers=6, layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                                 "sliding_attention", "sliding_attention", "full_attention"],
+              sliding_window=12, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+              hidden_size_per_layer_input=8, vocab_size_per_layer_input=300, num_kv_shared_layers=2,
+              use_double_wide_mlp=True, final_logit_softcapping=2.0, eos_token_id=None,
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                  "rope_theta": 1000000.0}})
+CONFIGS.update({
+    "gemma4": ("Gemma4TextConfig", "workers.models.gemma4:Gemma4ForCausalLM", GEMMA4),
+    # The published multimodal checkpoint (model.language_model.*, the vision tower unread); no
+    # KV sharing, full layers with their own v_proj (k_eq_v off: 2 KV heads of 32).
+    "gemma4_vl": ("Gemma4Config", "workers.models.gemma4:Gemma4ForCausalLM",
+                  dict(text_config={**GEMMA4, "attention_k_eq_v": False, "num_kv_shared_layers": 0},
+                       vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=2, head_dim=16))),
+    # The 26B-A4B layout: experts beside every layer's MLP (4 experts of 32, 2 per token, a
+    # per-expert scale), k_eq_v, no KV sharing, no per-layer inputs; a larger init spreads the
+    # router's logits, so that no top-k choice rests on a near tie.
+    "gemma4_moe": ("Gemma4TextConfig", "workers.models.gemma4:Gemma4ForCausalLM",
+                   {**GEMMA4, "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0, "enable_moe_block": True,
+                    "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32, "initializer_range": 0.1}),
+})
+HYBRIDS = ["bamba", "nemotron_h", "nemotron_h_moe", "falcon_h1", "falcon_h1_norm", "granitemoehybrid", "granitemoehybrid_moe",
+           "jamba"]
 GATED_DELTANET = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl"]
 
 
@@ -189,11 +225,13 @@ def build(name: str, seed: int = 0, device: str = "cpu"):
     # Random (not HF's small init) norm weights and biases, so every parameter matters.
     with torch.no_grad():
         for n, p in hf.named_parameters():
-            if "norm" in n or n.endswith("bias"):
+            if "norm" in n or n.endswith(("bias", "router.scale", "per_expert_scale")):
                 p.copy_(torch.randn_like(p) * 0.5 + (1.0 if "norm" in n else 0.0))
-        for n, b in hf.named_buffers():  # (a buffer: the loop above does not see it)
+        for n, b in hf.named_buffers():  # (buffers: the loop above does not see them)
             if n.endswith("e_score_correction_bias"):  # DeepSeek-V3-style routers: on the scale of the scores
                 b.copy_(torch.randn_like(b) * 0.2)
+            elif n.endswith("layer_scalar"):  # Gemma 4's per-layer output scale, saved with the weights
+                b.uniform_(0.5, 1.5)
     if type(hf).__name__ == "Llama4ForConditionalGeneration":
         _text_only_forward(hf)
     # transformers up to 5.17 fixes gpt-oss's clamp at 7 whatever the config says: the config's.
@@ -225,7 +263,7 @@ def test_prefill_logits_and_greedy_match_transformers(name):
     assert h.greedy(prompt, 32) == want
 
 
-@pytest.mark.parametrize("name", ["mistral", "qwen3", "gemma2", "gemma3", "cohere2", "gpt_oss", "llama4", *HYBRIDS,
+@pytest.mark.parametrize("name", ["mistral", "qwen3", "gemma2", "gemma3", "gemma4", "gemma4_moe", "cohere2", "gpt_oss", "llama4", *HYBRIDS,
                                   *GATED_DELTANET])
 def test_chunked_prefill_and_prefix_hit_equal_one_prefill(name):
     hf, ours = build(name, device=DEVICE)
@@ -313,6 +351,13 @@ def test_nemotron_h_moe_refusals():
         with pytest.raises(ValueError, match=match):
             NemotronHForCausalLM(transformers.NemotronHConfig(**base, **extra), TPGroup(), torch.float32,
                                  torch.device("cpu"))
+
+
+def test_gemma4_bidirectional_attention_is_refused_by_name():
+    from workers.models.gemma4 import Gemma4ForCausalLM
+    config = transformers.Gemma4TextConfig(**{**COMMON, **GEMMA4, "use_bidirectional_attention": "all"})
+    with pytest.raises(ValueError, match="use_bidirectional_attention='all'"):
+        Gemma4ForCausalLM(config, TPGroup(), torch.float32, torch.device("cpu"))
 
 
 def test_a_layer_kind_the_family_does_not_build_is_refused():
@@ -425,3 +470,66 @@ def test_llama4_experts_layout_and_quantized_checkpoints(tmp_path):
     text.quantization_config = {"quant_method": "fbgemm_fp8"}
     with pytest.raises(ValueError, match="'fbgemm_fp8'-quantized checkpoints are not supported"):
         Llama4ForCausalLM(text, TPGroup(), torch.float32, torch.device("cpu"))
+
+
+def test_jamba_stacked_experts_and_tp_shards_of_the_mamba1_mixer(tmp_path):
+    """transformers' in-memory expert layout (`experts.gate_up_proj`, `experts.down_proj`) loads
+    as the published one (`build`); at TP=2 rank 1 holds the second half of the channels: in_proj's
+    x and z halves each, the conv's, dt_proj's rows, A_log's rows and D, x_proj's input columns;
+    a Jamba whose Mamba or MLP activation is not silu, or a quantized one, is refused before any
+    weight is read."""
+    from safetensors.torch import save_file
+
+    from workers.models.jamba import JambaForCausalLM
+    hf, ours = build("jamba")
+    hf.save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert "model.layers.0.feed_forward.experts.gate_up_proj" in state
+    save_file(state, str(tmp_path / "model.safetensors"))
+    v5 = load_model(str(tmp_path), JambaForCausalLM, TPGroup(), "float32", "cpu")
+    for (name, a), (_, b) in zip(ours.named_parameters(), v5.named_parameters()):
+        assert torch.equal(a, b), name
+
+    class Rank1:
+        world_size, rank = 2, 1
+    half = JambaForCausalLM(hf.config, Rank1(), torch.float32, torch.device("cpu"))
+    half.load_weights(state.items())
+    got, p = half.model.layers[0].mamba, "model.layers.0.mamba."
+    i = 128  # mamba_expand * hidden_size
+    assert torch.equal(got.in_proj.weight, torch.cat([state[p + "in_proj.weight"][64:128],
+                                                       state[p + "in_proj.weight"][192:]]))
+    assert torch.equal(got.in_proj.bias, torch.cat([state[p + "in_proj.bias"][64:128], state[p + "in_proj.bias"][192:]]))
+    assert torch.equal(got.conv1d.weight, state[p + "conv1d.weight"][i // 2:])
+    assert torch.equal(got.dt_proj.weight, state[p + "dt_proj.weight"][i // 2:])
+    assert torch.equal(got.dt_proj.bias, state[p + "dt_proj.bias"][i // 2:])
+    assert torch.equal(got.A_log, state[p + "A_log"][i // 2:]) and torch.equal(got.D, state[p + "D"][i // 2:])
+    assert torch.equal(got.x_proj.weight, state[p + "x_proj.weight"][:, i // 2:])
+    assert torch.equal(got.dt_layernorm.weight, state[p + "dt_layernorm.weight"])
+    wrong = transformers.JambaConfig(**{**hf.config.to_dict(), "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="'gelu' is not supported"):
+        JambaForCausalLM(wrong, TPGroup(), torch.float32, torch.device("cpu"))
+    wrong = transformers.JambaConfig(**hf.config.to_dict(), quantization_config={"quant_method": "experts_int8"})
+    with pytest.raises(ValueError, match="'experts_int8'-quantized checkpoints are not supported"):
+        JambaForCausalLM(wrong, TPGroup(), torch.float32, torch.device("cpu"))
+
+
+def test_jamba_without_biases_or_experts_matches_transformers(monkeypatch):
+    """The other side of Jamba's switches: no in/out_proj or conv bias, one expert (every layer a
+    gated MLP, as JambaConfig's num_experts=1), attention first (attn_layer_offset 0)."""
+    monkeypatch.setitem(CONFIGS, "jamba_plain", ("JambaConfig", "workers.models.jamba:JambaForCausalLM",
+                                                 dict(num_hidden_layers=3, attn_layer_period=3, attn_layer_offset=0,
+                                                      num_experts=1, mamba_d_state=8, mamba_dt_rank=4,
+                                                      mamba_proj_bias=False, mamba_conv_bias=False,
+                                                      eos_token_id=None, initializer_range=0.1)))
+    hf, ours = build("jamba_plain")
+    assert ours.model.layers[1].mamba.conv1d.bias is None and ours.model.layers[1].mamba.out_proj.bias is None
+    h = Harness(ours, hf.config)
+    prompt = torch.randint(0, 300, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                           attention_mask=torch.ones(1, 30, dtype=torch.long))[0, 30:].tolist()
+    got, _ = h.prefill_logits(prompt)
+    assert (got - ref).abs().max().item() < 1e-3
+    assert h.greedy(prompt, 16) == want

@@ -131,7 +131,7 @@ class ModelRunner:
         self.device = device or torch.device(config.device)
         self.model = get_model(config.model, tp, config.dtype, self.device, max_model_len=config.max_model_len,
                                load_format=config.load_format, seed=config.seed,
-                               quantization=config.quantization)
+                               kv_cache_dtype=config.kv_cache_dtype, quantization=config.quantization)
         self.dtype = self.model.model.embedding.weight.dtype if hasattr(self.model.model, "embedding") \
             else next(self.model.parameters()).dtype  # (FP8 linears hold another dtype)
         self.vocab_size = int(self.model.config.get_text_config().vocab_size)
@@ -163,7 +163,8 @@ class ModelRunner:
                              total_bytes=total, graph_bytes=graphs)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.kv_pool = allocate_kv_cache(self.plan, self.model.cache_layers(), num_blocks, self.dtype, self.device)
+        self.kv_pool = allocate_kv_cache(self.plan, self.model.cache_layers(), num_blocks, self.dtype, self.device,
+                                         self.config.kv_cache_dtype)
         self.num_blocks = num_blocks
         if self.use_graphs:
             self.batch.reset_static()
@@ -173,7 +174,7 @@ class ModelRunner:
     def _with_dummy_cache(self, fn):
         """Run `fn` on a throwaway two-block cache (profiling), then unbind it."""
         layers = self.model.cache_layers()
-        allocate_kv_cache(self.plan, layers, 2, self.dtype, self.device)
+        allocate_kv_cache(self.plan, layers, 2, self.dtype, self.device, self.config.kv_cache_dtype)
         try:
             return fn()
         finally:

@@ -85,7 +85,8 @@ def run(args) -> int:
           f"{f' x n={args.n}' if args.n > 1 else ''}; "
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 product {matmul / 1e12:.0f} TFLOP/s (same run); "
           f"weights per rank {info['weight_bytes'] / 1e9:.2f} GB as stored"
-          f"{' (FP8 linear weights)' if info['quantization'] or _quantized(model) else ''}; "
+          f"{' (FP8 linear weights)' if info['quantization'] or _quantized(model) else ''}; KV cache "
+          f"{info['kv_cache_dtype']} ({rf.kv_dtype_bytes} B an element, as the roofline counts it); "
           f"CUDA graphs: {bool(info['cuda_graphs'])}")
     rows = [("batch / figure", "ours", "roofline", "ours/roofline")]
     for r in results:

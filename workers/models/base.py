@@ -84,6 +84,8 @@ class DecoderForCausalLM(nn.Module):
             if isinstance(module, (QKVParallelLinear, MergedColumnParallelLinear)):
                 for fused, part, shard in self.stacked:
                     if path.endswith(fused):
+                        if module.part_shapes(shard) is None:  # a part this layer lacks
+                            continue
                         for pname, shape in module.part_shapes(shard).items():
                             shapes[f"{path[: -len(fused)]}{part}.{pname}"] = shape
                 continue
