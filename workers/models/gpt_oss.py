@@ -11,17 +11,24 @@ layer:
 Checkpoints in bf16 (transformers' layout) load: `mlp.experts.gate_up_proj` [E, H, 2I] with gate
 and up interleaved column by column, `gate_up_proj_bias` [E, 2I] likewise, `down_proj` [E, I, H];
 they are turned into the experts' [E, 2I, H] (gate rows, then up rows) and [E, H, I] as they are
-read. The published MXFP4 checkpoints (`quantization_config` "mxfp4") are refused by name.
+read. The published checkpoints (`quantization_config` quant_method "mxfp4") keep the experts in
+MXFP4, `gate_up_proj_blocks` / `_scales` and `down_proj_blocks` / `_scales`, rows of outputs (gate
+and up interleaved row by row, deinterleaved here) and the reduction packed along the last axes:
+they stay 4-bit on the device (`MXFP4FusedMoE`), except in layers whose experts the config's
+`modules_to_not_convert` names (transformers' matching rule: those are read in bf16). Only the
+experts are ever MXFP4 (as transformers': attention, router, embeddings and head are bf16).
 """
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 
 from workers.layers.moe import FusedMoE, Router
+from workers.layers.moe_mxfp4 import MXFP4FusedMoE
 from workers.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from workers.ops import swiglu_oai_op
 from workers.parallel import TPGroup
@@ -53,8 +60,9 @@ class GptOssMoE(nn.Module):
         act = functools.partial(swiglu_oai_op, alpha=float(getattr(config, "swiglu_alpha", None) or 1.702),
                                 limit=float(getattr(config, "swiglu_limit", None) or 7.0))
         self.router = Router(h, e, dtype, device, bias=True)
-        self.experts = FusedMoE(e, int(config.num_experts_per_tok), h, config.intermediate_size, act, tp, dtype,
-                                device, f"{prefix}.experts", bias=True)
+        experts_cls = MXFP4FusedMoE if mxfp4_experts(config, f"{prefix}.experts") else FusedMoE
+        self.experts = experts_cls(e, int(config.num_experts_per_tok), h, config.intermediate_size, act, tp, dtype,
+                                   device, f"{prefix}.experts", bias=True)
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -66,9 +74,29 @@ class GptOssDecoderLayer(LlamaDecoderLayer):
     mlp_cls = GptOssMoE
 
 
+def quant_method(config) -> str | None:
+    quant = getattr(config, "quantization_config", None) or {}
+    return quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+
+
+def mxfp4_experts(config, name: str) -> bool:
+    """Whether the experts module `name` ("model.layers.3.mlp.experts") is MXFP4 in the checkpoint:
+    quant_method "mxfp4" and no `modules_to_not_convert` pattern matching it (transformers'
+    `should_convert_module`: a regex from the start up to a module boundary, or a suffix)."""
+    if quant_method(config) != "mxfp4":
+        return False
+    quant = config.quantization_config
+    patterns = (quant.get("modules_to_not_convert") if isinstance(quant, dict)
+                else getattr(quant, "modules_to_not_convert", None)) or []
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    return not any(re.match(rf"(?:{p}){boundary}", name) or name.endswith(p) for p in patterns)
+
+
 # checkpoint name suffix -> our parameter's
 EXPERT_NAMES = {".experts.gate_up_proj": ".experts.w13", ".experts.gate_up_proj_bias": ".experts.b13",
-                ".experts.down_proj": ".experts.w2", ".experts.down_proj_bias": ".experts.b2"}
+                ".experts.down_proj": ".experts.w2", ".experts.down_proj_bias": ".experts.b2",
+                ".experts.gate_up_proj_blocks": ".experts.w13_blocks", ".experts.gate_up_proj_scales": ".experts.w13_scales",
+                ".experts.down_proj_blocks": ".experts.w2_blocks", ".experts.down_proj_scales": ".experts.w2_scales"}
 
 
 def our_name(name: str) -> str:
@@ -90,8 +118,8 @@ def to_our_layout(name: str, t: torch.Tensor) -> torch.Tensor:
     """A checkpoint's expert tensor in the layout `FusedMoE` loads."""
     if name.endswith(".experts.gate_up_proj"):  # [E, H, 2I] interleaved -> [E, 2I, H] halves
         return _deinterleave(t.transpose(1, 2), 1)
-    if name.endswith(".experts.gate_up_proj_bias"):
-        return _deinterleave(t, 1)
+    if name.endswith((".experts.gate_up_proj_bias", ".experts.gate_up_proj_blocks", ".experts.gate_up_proj_scales")):
+        return _deinterleave(t, 1)  # (MXFP4: rows of outputs, already [E, 2I, ...])
     if name.endswith(".experts.down_proj"):  # [E, I, H] -> [E, H, I]
         return t.transpose(1, 2)
     return t
@@ -102,12 +130,10 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config, tp: TPGroup, dtype: torch.dtype, device: torch.device,
                  max_positions: int | None = None) -> None:
-        quant = getattr(config, "quantization_config", None) or {}
-        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-        if method:
-            raise ValueError(f"gpt-oss: {method!r}-quantized checkpoints are not supported yet (the experts would "
-                             f"need {method} kernels): use a bf16 checkpoint, e.g. one saved by transformers with "
-                             f"Mxfp4Config(dequantize=True)")
+        method = quant_method(config)
+        if method not in (None, "mxfp4"):
+            raise ValueError(f"gpt-oss: {method!r}-quantized checkpoints are not supported (bf16, or the published "
+                             f"MXFP4 experts)")
         super().__init__(config, tp, dtype, device, max_positions)
 
     def checkpoint_to_param(self, name: str) -> tuple[str, object]:
