@@ -162,3 +162,27 @@ def ray_cluster():
     yield ray
     if started:
         ray.shutdown()
+
+
+def test_dummy_weights_in_the_stored_format_and_the_roofline_counts_their_bytes(tmp_path, capsys):
+    """`bench latency --load-format dummy` on a gpt-oss shape whose config says mxfp4: the experts
+    are random bytes and scales (finite outputs), and the roofline counts them as stored, 4.25
+    bits a weight; the shape refuses a bf16 build."""
+    from launch.bench.common import build_random_model, roofline_of
+    from launch.cli import main
+    folder, out = tmp_path / "tg", tmp_path / "lat.json"
+    assert main(["bench", "latency", "--shape", "tiny-gpt-oss-mxfp4", "--load-format", "dummy", "--model-dir",
+                 str(folder), "--device", "cpu", "--batch-size", "2", "--input-len", "20", "--output-len", "4",
+                 "--num-iters", "1", "--num-iters-warmup", "0", "--output-json", str(out)]) == 0
+    assert json.loads((folder / "config.json").read_text())["quantization_config"]["quant_method"] == "mxfp4"
+    assert "B=2 decode step (ms)" in capsys.readouterr().out
+    with LLM(str(folder), device="cpu", load_format="dummy", max_model_len=64) as llm:
+        rf = roofline_of(llm, bandwidth=1e12, matmul=1e12)
+        outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}], GREEDY, use_tqdm=False)
+    assert len(outs[0].outputs[0].token_ids) == 12
+    weights = 8 * 3 * 64 * 64  # E x (gate, up, down) x I x H
+    biases = 8 * (2 * 64 + 64) * rf.dtype_bytes
+    assert rf.experts == ((8, 2, weights * 17 // 32 + biases),) * 2  # 4 bits and one byte a 32
+    assert rf.num_params == rf.weight_bytes // rf.dtype_bytes + 2 * (weights + biases // rf.dtype_bytes) * 2 // 8
+    with pytest.raises(ValueError, match="run it with --load-format dummy"):
+        build_random_model(str(tmp_path / "w"), "tiny-gpt-oss-mxfp4", "cpu")

@@ -181,7 +181,8 @@ def get_model(model: str, tp: TPGroup, dtype: str | torch.dtype = "auto", device
     """The whole path from an id or folder to a loaded rank shard, in the order that fails
     cheapest first (id, then architecture, then shards and shapes, then data). `load_format`
     "dummy" (vLLM's name) reads no weights: the folder needs only its config.json, and the
-    weights are random (uniform in +-1e-3, as vLLM's), for benchmarks."""
+    weights are random (uniform in +-1e-3, as vLLM's; a module that keeps weights in another
+    format, such as MXFP4 experts, fills them itself through its `dummy_weights`), for benchmarks."""
     from workers.models import get_model_class
 
     path = resolve_model_path(model, revision)
@@ -200,5 +201,9 @@ def dummy_model(path: str | os.PathLike, model_cls: type, tp: TPGroup, dtype: st
     gen = torch.Generator(device).manual_seed(seed + tp.rank)
     with torch.no_grad():
         for p in model.parameters():
-            p.uniform_(-1e-3, 1e-3, generator=gen)
+            if p.is_floating_point():
+                p.uniform_(-1e-3, 1e-3, generator=gen)
+        for m in model.modules():
+            if hasattr(m, "dummy_weights"):
+                m.dummy_weights(gen)
     return model.eval()
