@@ -19,6 +19,7 @@ a batch chose and runs `fused_experts_ref` (the engine's path on CPU and the tes
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -117,7 +118,7 @@ def _moe_mxfp4_gemm_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, rows_ptr, 
         s = tl.load(s_rows[:, None] + ks[None, :], mask=n_ok[:, None] & (ks < K // 32)[None, :], other=127)
         if SCALED_DOT:  # the weights as the product's [K/2, N] right operand
             w = tl.load(w_rows[None, :] + kb[:, None], mask=n_ok[None, :] & (kb < K // 2)[:, None], other=0)
-            acc = tl.dot_scaled(a, None, "bf16", w, s, "e2m1", acc)
+            acc = tl.dot_scaled(a, None, "bf16", w, s, "e2m1", acc, fast_math=True)  # (no E8M0 NaN checks)
         else:
             w = tl.load(w_rows[:, None] + kb[None, :], mask=n_ok[:, None] & (kb < K // 2)[None, :], other=0)
             wf = _mxfp4_to_float(w, s, BLOCK_N, BLOCK_K)
@@ -152,8 +153,9 @@ def mxfp4_config(num_pairs: int, num_experts: int) -> dict:
 
 
 def _use_scaled_dot(x: torch.Tensor, scaled_dot: bool | None) -> bool:
+    """`tl.dot_scaled` for bf16 activations unless DISTENGINE_MXFP4_DOT=decode (for comparisons)."""
     if scaled_dot is None:
-        return x.dtype == torch.bfloat16
+        return x.dtype == torch.bfloat16 and os.environ.get("DISTENGINE_MXFP4_DOT", "scaled") != "decode"
     if scaled_dot and x.dtype != torch.bfloat16:
         raise TypeError(f"tl.dot_scaled takes bf16 activations here, got {x.dtype}")
     return scaled_dot

@@ -186,3 +186,22 @@ def test_dummy_weights_in_the_stored_format_and_the_roofline_counts_their_bytes(
     assert rf.num_params == rf.weight_bytes // rf.dtype_bytes + 2 * (weights + biases // rf.dtype_bytes) * 2 // 8
     with pytest.raises(ValueError, match="run it with --load-format dummy"):
         build_random_model(str(tmp_path / "w"), "tiny-gpt-oss-mxfp4", "cpu")
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_fp32_tokens_are_transformers_and_bf16_graphs_equal_eager(mxfp4_folder):
+    """The Triton path: fp32 (the kernel's own decode) gives transformers' greedy tokens; bf16
+    (`tl.dot_scaled`) in CUDA graphs gives the eager tokens."""
+    folder, hf = mxfp4_folder
+    prompts = _prompts(3)
+    kw = dict(device="cuda", block_size=16, max_model_len=128, gpu_memory_utilization=0.3)
+    with LLM(str(folder), dtype="float32", **kw) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == _hf_greedy(hf, p, 12)
+    tokens = {}
+    for eager in (False, True):
+        with LLM(str(folder), dtype="bfloat16", enforce_eager=eager, **kw) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        tokens[eager] = [o.outputs[0].token_ids for o in outs]
+    assert tokens[False] == tokens[True]

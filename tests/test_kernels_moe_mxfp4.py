@@ -133,3 +133,23 @@ def test_default_tiles_of_every_band_and_refusals():
         fused_experts_mxfp4(x, w2, w13, weights, ids, ACT)
     with pytest.raises(TypeError, match="dot_scaled takes bf16"):
         fused_experts_mxfp4(x, w13, w2, weights, ids, ACT, scaled_dot=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scaled_dot", [True, False], ids=["dot_scaled", "decode"])
+def test_gpt_oss_widths_against_the_bf16_op(scaled_dot):
+    """gpt-oss's widths (H = I = 2880: a partial 128-wide K step) with the tiles of every band,
+    against `fused_experts` on the same weights dequantized to bf16."""
+    from kernels.fused_moe import fused_experts
+    e, k, h, inter = 8, 4, 2880, 2880
+    w13, w2 = mxfp4_weight(e, 2 * inter, h, seed=0, scales=(119, 122)), mxfp4_weight(e, h, inter, seed=1,
+                                                                                      scales=(119, 122))
+    g = torch.Generator().manual_seed(2)
+    b13, b2 = (torch.randn(e, n, generator=g).to(DEVICE, torch.bfloat16) * 0.1 for n in (2 * inter, h))
+    dense13, dense2 = (dequantize_mxfp4(w.blocks, w.scales, torch.bfloat16) for w in (w13, w2))
+    for t in tokens_per_tile_band(e, k):
+        x = torch.randn(t, h, generator=g).to(DEVICE, torch.bfloat16)
+        weights, ids = routing(t, e, k, seed=t)
+        want = fused_experts(x, dense13, dense2, weights.bfloat16(), ids, ACT, b13, b2)
+        got = fused_experts_mxfp4(x, w13, w2, weights.bfloat16(), ids, ACT, b13, b2, scaled_dot=scaled_dot)
+        assert rel_err(got, want.double()) < 1e-2, t
