@@ -43,11 +43,12 @@ SHAPES = {
     # positions capped as Bamba's.
     "granite-4.0-h-tiny": ("granitemoehybrid", ("granite-4.0-h-tiny", dict(max_position_embeddings=16384))),
     # Sliding-window (128) and full layers alternating, attention sinks, 32 experts (4 per token),
-    # in bf16 (the published checkpoint's experts are MXFP4).
+    # in bf16 (the published checkpoint keeps its experts in MXFP4: gpt-oss-20b-mxfp4 below).
     "gpt-oss-20b": ("gpt_oss", ("gpt-oss-20b", {})),
-    # gpt-oss-120b as published: 36 layers, 128 experts (4 per token) in MXFP4 (its
-    # quantization_config: 4.25 bits a weight, ~61 GB), the rest in bf16; --load-format dummy
+    # gpt-oss-20b and -120b as published: experts in MXFP4 (their quantization_config: 4.25 bits a
+    # weight, ~61 GB for 120b's 36 layers of 128 experts), the rest in bf16; --load-format dummy
     # only (random experts in the stored format), one H200.
+    "gpt-oss-20b-mxfp4": ("gpt_oss", ("gpt-oss-20b", dict(quantization_config=GPT_OSS_MXFP4))),
     "gpt-oss-120b": ("gpt_oss", ("gpt-oss-120b", dict(quantization_config=GPT_OSS_MXFP4))),
     # Gated DeltaNet hybrids (3 linear-attention : 1 gated attention layer), the text models of the
     # published checkpoints: the largest dense one that fits one H200 in bf16, and the MoE one
