@@ -247,6 +247,14 @@ def default_config(max_query_len: int, head_dim: int, gqa: int, block_size: int,
     Hq=32, Hkv=8: `distengine bench kernels --sweep`; D=256 with Hq=16, Hkv=8, Gemma-3-12B's
     shape: kernels/bench/sweep_decode_attention.py)."""
     block_m = max(16, _next_pow2(gqa))
+    if head_dim > 256:
+        # Gemma 4's full layers (D=512), not swept: tiles chosen so that a stage of K and V plus
+        # the query tile fit in shared memory (bf16: 32 x 512 x 2 B per K or V tile, 64 KiB
+        # for two stages; the query tile BLOCK_M x 512 x 2 B) and the fp32 accumulator
+        # (BLOCK_M x 512) stays within 8 warps' registers.
+        if max_query_len == 1:
+            return {"BLOCK_M": block_m, "TILE_N": 32, "num_warps": 4, "num_stages": 2}
+        return {"BLOCK_M": max(block_m, 32), "TILE_N": 32, "num_warps": 8, "num_stages": 2}
     if max_query_len == 1:  # decode: bandwidth-bound, 4 warps keep enough loads in flight
         # A window's first tile is partly masked: wider tiles waste less at D=128 (W=1024: 0.082
         # vs 0.106 ms); at D=256 a 128-key tile is too large (B=128, 600 tokens: 210 vs 176 us).

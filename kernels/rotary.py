@@ -39,6 +39,13 @@ def rope_inv_freq(rotary_dim: int, base: float, rope_scaling: dict | None = None
         return inv_freq, 1.0
     if kind == "linear":
         return inv_freq / rs["factor"], 1.0
+    if kind == "proportional":
+        # Gemma 4's full layers: the first partial_rotary_factor * dim / 2 frequencies of the
+        # whole head (exponents over `dim`), the others 0 (cos 1, sin 0: those channels pairs
+        # (i, i + dim/2) stay as they are), all divided by "factor".
+        angles = int(rs.get("partial_rotary_factor", 1.0) * dim // 2)
+        inv_freq = torch.cat([inv_freq[:angles], torch.zeros(dim // 2 - angles, dtype=torch.float32)])
+        return inv_freq / rs.get("factor", 1.0), 1.0
     if kind == "llama3":
         factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
         old_ctx = rs["original_max_position_embeddings"]

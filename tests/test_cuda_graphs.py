@@ -26,7 +26,7 @@ ARGS = dict(device="cuda", dtype="float32", block_size=4, max_model_len=256, max
 
 
 @pytest.fixture(scope="module", params=["gemma3", "bamba", "granitemoehybrid_moe", "gpt_oss", "qwen3_5_moe",
-                                                "llama4", "nemotron_h_moe"])
+                                                "llama4", "nemotron_h_moe", "gemma4"])
 def model(request, tmp_path_factory):
     hf, _ = build(request.param)
     folder = tmp_path_factory.mktemp(request.param)

@@ -161,6 +161,48 @@ def test_chunked_local_prefix_hits_preemption_and_chunking_give_transformers_tok
         assert [o.outputs[0].token_ids for o in outs] == want[params.max_tokens], what
 
 
+@pytest.mark.parametrize("name", ["gemma4", "gemma4_vl", "gemma4_moe"])
+def test_gemma4_prefix_hits_preemption_and_chunking_give_transformers_tokens(tmp_path_factory, ray_cluster, name):
+    """Gemma 4's layers of two page sizes (sliding: 2 KV heads of 16; full: 1 of 32 with k_eq_v,
+    2 of 32 without), the KV-sharing layers reading their targets' pages (gemma4) and the
+    per-layer inputs: requests sharing a prefix hit it and produce transformers' tokens; so do no
+    prefix caching, a pool small enough to preempt requests that grow past many windows, a token
+    budget small enough to chunk prompts, and TP=2 (the full layers' single KV head replicated)."""
+    hf, folder = _folder(tmp_path_factory, name)
+    kw = dict(device="cpu", dtype="float32", block_size=4, max_model_len=160)
+    prompts = _prompts(4, shared=26, seed=3)
+    longer = SamplingParams(temperature=0.0, max_tokens=160 - max(map(len, prompts)), ignore_eos=True)
+    want = {n: [_hf_greedy(hf, p, n) for p in prompts] for n in (12, longer.max_tokens)}
+
+    def run(llm, params=GREEDY):
+        # The first request alone: the others find its prefix cached.
+        first = llm.generate({"prompt_token_ids": prompts[0]}, params, use_tqdm=False)
+        return first + llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params, use_tqdm=False)
+
+    with LLM(folder, **kw) as llm:
+        plan = llm.plan
+        outs = run(llm)
+        assert outs[0].num_cached_tokens == 0
+        assert all(o.num_cached_tokens > 0 for o in outs[1:]), [o.num_cached_tokens for o in outs]
+        assert [o.outputs[0].token_ids for o in outs] == want[12]
+    # A pool that holds one request of max_model_len at its peak (prefill chunks of 16) and not two.
+    pool = sum(plan.peak_blocks_per_group(160, 16)) + 1
+    runs = {
+        "no prefix caching": (dict(enable_prefix_caching=False), GREEDY),
+        "tiny pool (preemption)": (dict(num_gpu_blocks_override=pool, max_num_batched_tokens=16), longer),
+        "tiny token budget (chunked prefill)": (dict(max_num_batched_tokens=11), GREEDY),
+        "TP=2, chunked": (dict(tensor_parallel_size=2, max_num_batched_tokens=13), GREEDY),
+    }
+    for what, (extra, params) in runs.items():
+        with LLM(folder, **{**kw, **extra}) as llm:
+            outs = run(llm, params)
+            if "preemption" in what:
+                assert llm.stats().preemptions > 0, what
+            if "chunked" in what:
+                assert outs[-1].num_cached_tokens > 0, what
+        assert [o.outputs[0].token_ids for o in outs] == want[params.max_tokens], what
+
+
 def test_a_cache_too_small_for_a_prefill_chunk_is_refused_at_start(tmp_path_factory):
     """The start-up check counts a request's peak: a sliding-window group holds a whole prefill
     chunk's blocks beside its window. 100 blocks of 4 tokens hold one 128-token request at its

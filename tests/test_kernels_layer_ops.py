@@ -51,7 +51,8 @@ def _slots(num_tokens: int, num_blocks: int, block_size: int, n_skip: int) -> to
 
 @pytest.mark.parametrize("impl", [store_kv, store_kv_ref], ids=["triton", "torch"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("head_dim,num_heads,strided", [(64, 3, False), (128, 2, True), (256, 1, True), (96, 2, False), (256, 10, True)])
+@pytest.mark.parametrize("head_dim,num_heads,strided", [(64, 3, False), (128, 2, True), (256, 1, True), (96, 2, False), (256, 10, True),
+                                                    (512, 2, True)])
 def test_store_kv(impl, dtype, head_dim, num_heads, strided):
     num_tokens, block_size, num_blocks = 13, 4, 12
     key, value = randn(num_tokens, num_heads, head_dim, dtype=dtype), randn(num_tokens, num_heads, head_dim, dtype=dtype)
@@ -128,7 +129,8 @@ def test_rms_norm_leading_dims_and_strided_rows():
 @pytest.mark.parametrize("impl", [rotary_embedding, rotary_embedding_ref], ids=["triton", "torch"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("head_dim,rotary_dim,n_q,n_k", [(64, 64, 4, 2), (128, 128, 4, 2), (128, 64, 4, 2), (256, 256, 4, 2),
-                                                        (256, 64, 4, 2), (80, 80, 4, 2), (256, 128, 20, 4)])
+                                                        (256, 64, 4, 2), (80, 80, 4, 2), (256, 128, 20, 4),
+                                                        (512, 512, 8, 1)])
 def test_rotary(impl, dtype, head_dim, rotary_dim, n_q, n_k):
     """(256, 128, 20, 4): several head tiles per token, some with q heads only."""
     num_tokens, max_pos = 11, 4096
@@ -200,6 +202,10 @@ ROPE_CASES = {
     "yarn_attn_factor": (64, 1_000_000.0, {"rope_type": "yarn", "factor": 4.0, "attention_factor": 0.8,
                                            "beta_fast": 16, "beta_slow": 2,
                                            "original_max_position_embeddings": 32768}, 131072),
+    # Gemma 4's full layers: a quarter of the head's frequencies (over the whole head), the rest 0.
+    "proportional": (512, 1_000_000.0, {"rope_type": "proportional", "partial_rotary_factor": 0.25}, 4096),
+    "proportional_factor": (256, 10000.0, {"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                                           "factor": 2.0}, 4096),
     "yarn_mscale": (64, 10000.0, {"rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707,
                                   "original_max_position_embeddings": 4096}, 163840),
 }
@@ -301,7 +307,8 @@ def test_relu2(impl, dtype):
 @pytest.mark.parametrize("impl", [qk_norm_rope, qk_norm_rope_ref], ids=["triton", "torch"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("head_dim,n_q,n_k,gemma", [(64, 4, 2, True), (128, 8, 2, False), (256, 16, 8, True),
-                                                    (80, 3, 1, False), (256, 20, 4, False)])
+                                                    (80, 3, 1, False), (256, 20, 4, False),
+                                                    (512, 8, 1, False)])
 def test_qk_norm_rope(impl, dtype, head_dim, n_q, n_k, gemma):
     """Against norm-then-rotate evaluated in float64, in place on views of a fused qkv output; v
     untouched; several head tiles per token where Hq is large."""

@@ -260,11 +260,11 @@ def test_gemma4_tp_splits_heads_per_layer():
         make_plan(m, tp_size=3)
 
 
-def test_gemma4_architectures_are_still_refused():
-    from workers.models import UnsupportedArchitectureError, get_model_class
+def test_gemma4_architectures_are_served_by_the_gemma4_model():
+    from workers.models import get_model_class
+    from workers.models.gemma4 import Gemma4ForCausalLM
     for arch in ("Gemma4ForConditionalGeneration", "Gemma4ForCausalLM"):
-        with pytest.raises(UnsupportedArchitectureError, match=arch):
-            get_model_class([arch])
+        assert get_model_class([arch]) is Gemma4ForCausalLM
 
 
 # -- allocation and kernels on sub-page views --------------------------------------------------

@@ -160,6 +160,33 @@ CONFIGS.update({
     "qwen3_5_moe_vl": ("Qwen3_5MoeConfig", "workers.models.qwen3_5:Qwen3_5MoeForCausalLM",
                        dict(text_config={**DELTANET, **EXPERTS}, vision_config=VISION)),
 })
+# Gemma 4: 4 sliding (head 16, 2 KV heads) and 2 full layers (head 32, 1 KV head: k_eq_v, values
+# from the key projection), proportional RoPE on a quarter of the full heads; per-layer inputs of 8;
+# the last 2 layers (one of each type) read the K/V of layers 3 and 1 with a double-wide MLP;
+# final-logit soft-capping small enough to bend the logits.
+GEMMA4 = dict(num_hidden_layers=6, layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                                 "sliding_attention", "sliding_attention", "full_attention"],
+              sliding_window=12, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+              hidden_size_per_layer_input=8, vocab_size_per_layer_input=300, num_kv_shared_layers=2,
+              use_double_wide_mlp=True, final_logit_softcapping=2.0, eos_token_id=None,
+              rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                               "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                  "rope_theta": 1000000.0}})
+CONFIGS.update({
+    "gemma4": ("Gemma4TextConfig", "workers.models.gemma4:Gemma4ForCausalLM", GEMMA4),
+    # The published multimodal checkpoint (model.language_model.*, the vision tower unread); no
+    # KV sharing, full layers with their own v_proj (k_eq_v off: 2 KV heads of 32).
+    "gemma4_vl": ("Gemma4Config", "workers.models.gemma4:Gemma4ForCausalLM",
+                  dict(text_config={**GEMMA4, "attention_k_eq_v": False, "num_kv_shared_layers": 0},
+                       vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=2, head_dim=16))),
+    # The 26B-A4B layout: experts beside every layer's MLP (4 experts of 32, 2 per token, a
+    # per-expert scale), k_eq_v, no KV sharing, no per-layer inputs; a larger init spreads the
+    # router's logits, so that no top-k choice rests on a near tie.
+    "gemma4_moe": ("Gemma4TextConfig", "workers.models.gemma4:Gemma4ForCausalLM",
+                   {**GEMMA4, "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0, "enable_moe_block": True,
+                    "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32, "initializer_range": 0.1}),
+})
 HYBRIDS = ["bamba", "nemotron_h", "nemotron_h_moe", "falcon_h1", "falcon_h1_norm", "granitemoehybrid", "granitemoehybrid_moe"]
 GATED_DELTANET = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl"]
 
@@ -189,11 +216,13 @@ def build(name: str, seed: int = 0, device: str = "cpu"):
     # Random (not HF's small init) norm weights and biases, so every parameter matters.
     with torch.no_grad():
         for n, p in hf.named_parameters():
-            if "norm" in n or n.endswith("bias"):
+            if "norm" in n or n.endswith(("bias", "router.scale", "per_expert_scale")):
                 p.copy_(torch.randn_like(p) * 0.5 + (1.0 if "norm" in n else 0.0))
-        for n, b in hf.named_buffers():  # (a buffer: the loop above does not see it)
+        for n, b in hf.named_buffers():  # (buffers: the loop above does not see them)
             if n.endswith("e_score_correction_bias"):  # DeepSeek-V3-style routers: on the scale of the scores
                 b.copy_(torch.randn_like(b) * 0.2)
+            elif n.endswith("layer_scalar"):  # Gemma 4's per-layer output scale, saved with the weights
+                b.uniform_(0.5, 1.5)
     if type(hf).__name__ == "Llama4ForConditionalGeneration":
         _text_only_forward(hf)
     # transformers up to 5.17 fixes gpt-oss's clamp at 7 whatever the config says: the config's.
@@ -225,7 +254,7 @@ def test_prefill_logits_and_greedy_match_transformers(name):
     assert h.greedy(prompt, 32) == want
 
 
-@pytest.mark.parametrize("name", ["mistral", "qwen3", "gemma2", "gemma3", "cohere2", "gpt_oss", "llama4", *HYBRIDS,
+@pytest.mark.parametrize("name", ["mistral", "qwen3", "gemma2", "gemma3", "gemma4", "gemma4_moe", "cohere2", "gpt_oss", "llama4", *HYBRIDS,
                                   *GATED_DELTANET])
 def test_chunked_prefill_and_prefix_hit_equal_one_prefill(name):
     hf, ours = build(name, device=DEVICE)
@@ -313,6 +342,13 @@ def test_nemotron_h_moe_refusals():
         with pytest.raises(ValueError, match=match):
             NemotronHForCausalLM(transformers.NemotronHConfig(**base, **extra), TPGroup(), torch.float32,
                                  torch.device("cpu"))
+
+
+def test_gemma4_bidirectional_attention_is_refused_by_name():
+    from workers.models.gemma4 import Gemma4ForCausalLM
+    config = transformers.Gemma4TextConfig(**{**COMMON, **GEMMA4, "use_bidirectional_attention": "all"})
+    with pytest.raises(ValueError, match="use_bidirectional_attention='all'"):
+        Gemma4ForCausalLM(config, TPGroup(), torch.float32, torch.device("cpu"))
 
 
 def test_a_layer_kind_the_family_does_not_build_is_refused():

@@ -77,6 +77,8 @@ def small(gqa):
     (8, 64, torch.bfloat16, 7, 0, 0.0, True),     # gpt-oss: sinks + window
     (4, 256, torch.bfloat16, 0, 0, 30.0, True),
     (4, 128, torch.float16, 0, 16, 0.0, True),
+    (4, 512, torch.bfloat16, 0, 0, 0.0, False),   # Gemma 4's full layers: head 512
+    (8, 512, torch.float16, 12, 0, 0.0, False),
 ])
 def test_mixed_batch_matches_reference(gqa, head_dim, dtype, window, chunk, softcap, sinks):
     args, g = make_case(MIXED, 2 * gqa, 2, head_dim, 8, dtype, window=window, chunk=chunk)
@@ -120,6 +122,19 @@ def test_default_config_and_empty_batch():
     empty = dict(args, q=args["q"][:0], query_start_loc=torch.zeros(1, dtype=torch.int32, device=DEVICE),
                  seq_lens=args["seq_lens"][:0])
     assert paged_attention(**empty).shape == (0, 4, 64)
+
+
+@pytest.mark.parametrize("block_size", [8, 64])
+def test_head_512_with_the_default_tiles(block_size):
+    """Head size 512 (Gemma 4's full layers) with the tiles the default configuration picks for
+    it (tiles smaller than a block of 64), prefill and split decode."""
+    for max_query_len in (1, 40):
+        cfg = default_config(max_query_len, 512, 8, block_size)
+        assert cfg["TILE_N"] == 32 and cfg["BLOCK_M"] <= 32 and cfg["num_stages"] <= 2
+    args, _ = make_case(MIXED, 16, 2, 512, block_size, torch.bfloat16, window=20)
+    check(args)
+    args, _ = make_case(DECODES, 8, 1, 512, block_size, torch.float16)
+    check(args, num_splits=2)
 
 
 def test_bad_arguments():

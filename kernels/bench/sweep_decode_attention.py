@@ -1,11 +1,14 @@
-"""On a GPU: decode paged attention at Gemma-3-12B's shape (D=256, 16 query / 8 KV heads, block 16),
-the shipped config against a sweep of tiles, warps, stages and (for small batches) splits; KV bytes
-read over time against the copy bandwidth, same run. Prints the best config per case.
+"""On a GPU: paged attention at Gemma-3-12B's shape (D=256, 16 query / 8 KV heads, block 16) or,
+with `--heads gemma4`, Gemma-4-31B's full layers (D=512, 32 query / 4 KV heads): the shipped
+config against a sweep of tiles, warps, stages and (for small batches) splits; decode as KV bytes
+read over time against the copy bandwidth, prefill (`--prefill`) as attention FLOP/s; same run.
+Prints the best configs per case.
 
-    python -m kernels.bench.sweep_decode_attention
+    python -m kernels.bench.sweep_decode_attention [--heads gemma4] [--prefill]
 """
 from __future__ import annotations
 
+import argparse
 import itertools
 import math
 
@@ -14,8 +17,12 @@ from triton.testing import do_bench
 
 from kernels.paged_attention import _num_sms, choose_num_splits, default_config, paged_attention
 
-HQ, HKV, D, BS = 16, 8, 256, 16
+HEADS = {"gemma3": (16, 8, 256), "gemma4": (32, 4, 512)}  # query heads, KV heads, head size
+HQ, HKV, D = HEADS["gemma3"]
+BS = 16
 CASES = [(128, 600, 0), (128, 600, 1024), (16, 16384, 0), (16, 16384, 1024), (1, 600, 0), (1, 600, 1024)]
+PREFILL_CASES = [(1, 2048, 0), (1, 8192, 0), (4, 2048, 1024)]  # sequences, tokens each, window
+# Gemma 4's head-512 layers are its full ones: no window cases.
 
 
 def paged(batch: int, length: int, g: torch.Generator):
@@ -35,11 +42,54 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() / (do_bench(lambda: y.copy_(x), return_mode="median") / 1e3)
 
 
+def prefill(num_seqs: int, length: int, window: int, g: torch.Generator) -> None:
+    """Whole prompts (no cached prefix): each configuration against the shipped one, causal FLOPs
+    (a window's keys only) over time."""
+    q, kv, table, _, lens = paged(num_seqs, length, g)
+    q = torch.randn(num_seqs * length, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    qsl = torch.arange(0, num_seqs * length + 1, length, device="cuda", dtype=torch.int32)
+    keys = sum(min(i + 1, window) if window else i + 1 for i in range(length))
+    flops = 4 * num_seqs * HQ * D * keys
+
+    def call(cfg=None):
+        return paged_attention(q, kv, table, qsl, lens, length, length, D ** -0.5, sliding_window=window, config=cfg)
+    ref = call()
+    base = do_bench(call, warmup=5, rep=40, return_mode="median")
+    shipped = default_config(length, D, HQ // HKV, BS, window, length)
+    results = []
+    for bm, tile, warps, stages in itertools.product((32, 64, 128), (16, 32, 64), (4, 8), (1, 2)):
+        if bm < HQ // HKV:
+            continue
+        cfg = {"BLOCK_M": bm, "TILE_N": tile, "num_warps": warps, "num_stages": stages}
+        try:
+            err = float((call(cfg).float() - ref.float()).abs().max())
+            results.append((do_bench(lambda: call(cfg), warmup=5, rep=40, return_mode="median"), cfg, err))
+        except Exception as e:  # noqa: BLE001 - out of shared memory and the like
+            results.append((float("inf"), cfg, repr(e)[:40]))
+    results.sort(key=lambda r: r[0])
+    print(f"prefill {num_seqs} x {length} W={window}: shipped {base:.3f} ms ({flops / base / 1e9:.0f} TFLOP/s, {shipped})")
+    for ms, cfg, err in results[:4]:
+        print(f"   {ms:.3f} ms {flops / ms / 1e9:6.0f} TFLOP/s  {cfg} err {err}")
+
+
 def main() -> int:
+    global HQ, HKV, D
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--heads", choices=sorted(HEADS), default="gemma3")
+    p.add_argument("--prefill", action="store_true", help="sweep prefill tiles instead of decode")
+    args = p.parse_args()
+    HQ, HKV, D = HEADS[args.heads]
     g = torch.Generator(device="cuda").manual_seed(0)
+    if args.prefill:
+        for case in PREFILL_CASES:
+            if not (args.heads == "gemma4" and case[2]):
+                prefill(*case, g)
+        return 0
     bw = copy_bandwidth()
-    print(f"copy {bw / 1e12:.2f} TB/s; {_num_sms(torch.device('cuda'))} SMs")
+    print(f"copy {bw / 1e12:.2f} TB/s; {_num_sms(torch.device('cuda'))} SMs; heads {HQ}/{HKV} x {D}")
     for batch, length, window in CASES:
+        if args.heads == "gemma4" and window:
+            continue
         q, kv, table, qsl, lens = paged(batch, length, g)
         read = min(length, window) if window else length
         nbytes = batch * read * HKV * D * 2 * 2
@@ -50,9 +100,9 @@ def main() -> int:
         if batch == 1:  # latency-bound: only the split count matters
             grid = [(base_cfg["TILE_N"], base_cfg["num_warps"], base_cfg["num_stages"], sp) for sp in (1, 2, 4, 8, 16)]
         else:
-            grid = [(t, w, st, base_splits) for t, w, st in itertools.product((32, 64, 128), (4, 8), (1, 2, 3))]
+            grid = [(t, w, st, base_splits) for t, w, st in itertools.product((16, 32, 64, 128), (4, 8), (1, 2, 3))]
         for tile, warps, stages, splits in grid:
-            cfg = {"BLOCK_M": 16, "TILE_N": tile, "num_warps": warps, "num_stages": stages}
+            cfg = {"BLOCK_M": base_cfg["BLOCK_M"], "TILE_N": tile, "num_warps": warps, "num_stages": stages}
             try:
                 out = paged_attention(q, kv, table, qsl, lens, 1, length, D ** -0.5, sliding_window=window,
                                       config=cfg, num_splits=splits)

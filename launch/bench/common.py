@@ -62,6 +62,10 @@ SHAPES = {
     # Nemotron-3-Nano-30B-A3B: 23 Mamba-2, 23 MoE (128 ungated relu^2 experts, 6 per token, beside
     # a shared expert) and 6 attention layers, one mixer a layer.
     "nemotron-3-nano-30b-a3b": ("nemotron_h", ("nemotron-3-nano-30b-a3b", {})),
+    # Gemma 4: 5 sliding-window (head 256) : 1 full layers (head 512, keys as values), the text
+    # models of the published checkpoints; 26B-A4B adds 128 experts (8 per token) beside each MLP.
+    "gemma-4-31b": ("gemma4_text", ("gemma-4-31b", {})),
+    "gemma-4-26b-a4b": ("gemma4_text", ("gemma-4-26b-a4b", {})),
     # For tests on CPU.
     "tiny": ("gemma3_text", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
                                  num_key_value_heads=2, head_dim=16, sliding_window=16, vocab_size=512, **_GEMMA3)),

@@ -31,7 +31,8 @@ class AttentionMetadata:
 class Attention(nn.Module):
     """Stores the new tokens' K/V in the layer's slot of the shared buffers, then attends
     through its group's block tables. `kv_cache` and `group_id` are set when the runner
-    allocates the cache (`bind_kv_cache`)."""
+    allocates the cache (`bind_kv_cache`). A layer reading another layer's K/V (the plan's
+    `shared_layers`, bound to its target's view) passes k = v = None and stores nothing."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_name: str,
                  sliding_window: int = 0, chunk_size: int = 0, softcap: float = 0.0,
@@ -54,8 +55,9 @@ class Attention(nn.Module):
             raise RuntimeError(f"{self.layer_name}: no KV cache bound (allocate the cache before running)")
         n = q.shape[0]
         q = q.reshape(n, self.num_heads, self.head_dim)
-        store_kv_op(k.reshape(n, self.num_kv_heads, self.head_dim), v.reshape(n, self.num_kv_heads, self.head_dim),
-                    self.kv_cache, meta.slot_mappings[self.group_id])
+        if k is not None:
+                store_kv_op(k.reshape(n, self.num_kv_heads, self.head_dim),
+                        v.reshape(n, self.num_kv_heads, self.head_dim), self.kv_cache, meta.slot_mappings[self.group_id])
         # q may be a view of the fused qkv output: the kernel reads it through its strides.
         out = paged_attention_op(
             q, self.kv_cache, meta.block_tables[self.group_id], meta.query_start_loc, meta.seq_lens,

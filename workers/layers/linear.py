@@ -80,23 +80,35 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     `q_gate` (Qwen3-Next's gated attention): the checkpoint's q_proj gives each head [query |
     gate]; a rank's rows are laid out [its queries | its gates], so that the query and the gate
-    are each one slice of the output (`split` returns the gates as a fourth part)."""
+    are each one slice of the output (`split` returns the gates as a fourth part).
+
+    `kv_parts`: 2 (K and V), 1 (K only: the values are the keys' projection, Gemma 4's
+    `attention_k_eq_v`; `split` returns k as v too) or 0 (queries only: a layer reading another
+    layer's K/V; `split` returns None for k and v). A part the layer lacks has no checkpoint shape."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool, tp: TPGroup,
-                 dtype: torch.dtype, device: torch.device, name: str = "", q_gate: bool = False) -> None:
+                 dtype: torch.dtype, device: torch.device, name: str = "", q_gate: bool = False,
+                 kv_parts: int = 2) -> None:
         q_start, q_heads = split_evenly(num_heads, tp, f"{name} query heads")
         kv_start, kv_heads = kv_head_share(num_kv_heads, tp)
         self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads, num_kv_heads
         self.q_start, self.q_heads, self.kv_start, self.kv_heads = q_start, q_heads, kv_start, kv_heads
         self.q_parts = 2 if q_gate else 1  # rows per query head, in head_dim units
+        assert kv_parts in (0, 1, 2), kv_parts
+        self.kv_parts = kv_parts
         nn.Module.__init__(self)
         self.tp, self.name, self.in_features = tp, name, hidden
-        self.out_features = (self.q_parts * num_heads + 2 * num_kv_heads) * head_dim
-        size = (self.q_parts * q_heads + 2 * kv_heads) * head_dim
+        self.out_features = (self.q_parts * num_heads + kv_parts * num_kv_heads) * head_dim
+        size = (self.q_parts * q_heads + kv_parts * kv_heads) * head_dim
         self.weight = nn.Parameter(torch.empty(size, hidden, dtype=dtype, device=device), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(size, dtype=dtype, device=device), requires_grad=False) if bias else None
 
-    def part_shapes(self, shard: str) -> tuple[int, ...]:
+    def has_part(self, shard: str) -> bool:
+        return {"q": True, "k": self.kv_parts >= 1, "v": self.kv_parts == 2}[shard]
+
+    def part_shapes(self, shard: str) -> tuple[int, ...] | None:
+        if not self.has_part(shard):
+            return None
         heads = self.q_parts * self.num_heads if shard == "q" else self.num_kv_heads
         return (heads * self.head_dim, self.in_features)
 
@@ -108,6 +120,8 @@ class QKVParallelLinear(ColumnParallelLinear):
             "k": (self.num_kv_heads, self.kv_start, self.kv_heads, q_rows),
             "v": (self.num_kv_heads, self.kv_start, self.kv_heads, q_rows + self.kv_heads),
         }[shard]
+        if not self.has_part(shard):
+            raise ValueError(f"{self.name}: this layer has no {shard}_proj (its checkpoint should not have one)")
         _check_shape(f"{self.name}[{shard}]", full.shape, (heads * d,) + tuple(param.shape[1:]))
         if shard == "q" and self.q_parts == 2:
             # [query | gate] per head in the checkpoint -> [queries | gates] on this rank.
@@ -123,6 +137,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         if self.q_parts == 2:
             q, gate, k, v = qkv.split([n, n, self.kv_heads * d, self.kv_heads * d], dim=-1)
             return q, k, v, gate
+        if self.kv_parts == 0:
+            return qkv, None, None
+        if self.kv_parts == 1:
+            q, k = qkv.split([n, self.kv_heads * d], dim=-1)
+            return q, k, k
         return qkv.split([n, self.kv_heads * d, self.kv_heads * d], dim=-1)
 
 

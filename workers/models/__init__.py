@@ -18,6 +18,9 @@ MODEL_REGISTRY: dict[str, str] = {
     "Gemma3ForCausalLM": "workers.models.gemma3:Gemma3ForCausalLM",
     # The multimodal checkpoint: we serve its text part (the model skips the vision tower's weights).
     "Gemma3ForConditionalGeneration": "workers.models.gemma3:Gemma3ForCausalLM",
+    "Gemma4ForCausalLM": "workers.models.gemma4:Gemma4ForCausalLM",
+    # The multimodal checkpoint: we serve its text part (the vision and audio towers are not read).
+    "Gemma4ForConditionalGeneration": "workers.models.gemma4:Gemma4ForCausalLM",
     "Cohere2ForCausalLM": "workers.models.cohere2:Cohere2ForCausalLM",
     "BambaForCausalLM": "workers.models.bamba:BambaForCausalLM",
     "NemotronHForCausalLM": "workers.models.nemotron_h:NemotronHForCausalLM",

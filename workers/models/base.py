@@ -84,6 +84,8 @@ class DecoderForCausalLM(nn.Module):
             if isinstance(module, (QKVParallelLinear, MergedColumnParallelLinear)):
                 for fused, part, shard in self.stacked:
                     if path.endswith(fused):
+                        if module.part_shapes(shard) is None:  # a part this layer lacks
+                            continue
                         shapes[f"{path[: -len(fused)]}{part}.weight"] = module.part_shapes(shard)
                         if module.bias is not None:
                             shapes[f"{path[: -len(fused)]}{part}.bias"] = module.part_shapes(shard)[:1]
