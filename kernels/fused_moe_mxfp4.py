@@ -135,18 +135,22 @@ def _moe_mxfp4_gemm_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, rows_ptr, 
              mask=row_ok[:, None] & n_ok[None, :])
 
 
-def mxfp4_config(num_pairs: int, num_experts: int) -> dict:
+def mxfp4_config(num_pairs: int, num_experts: int, itemsize: int = 2) -> dict:
     """Tiles by the rows each expert gets (pairs / E), in `moe_config`'s bands. Every band reads
     128 elements (64 bytes and 4 scales) of a weight row a step: a decode step's tiles are mostly
     padding rows, so 16-row tiles; 64-row weight tiles give a batch-1 step of gpt-oss-120b 360
     programs for its 4 experts' gate/up rows and 180 for their down rows (132 SMs). Prefill
     steps (over 64 rows an expert) 128 x 128 tiles: 8 warps dequantize a 128 x 128 weight tile
-    (the upcast runs once per tile of rows, so larger row tiles amortise it)."""
+    (the upcast runs once per tile of rows, so larger row tiles amortise it). 4-byte activations
+    (fp32 tests) keep 64 x 64 x 64 tiles past 24 rows, whose stages and decoded fp32 weight tile
+    fit in shared memory."""
     rows = num_pairs / num_experts
     if rows <= ROW_BANDS[0]:
         return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
     if rows <= ROW_BANDS[1]:
         return {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+    if itemsize > 2:
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}
     if rows <= ROW_BANDS[2]:
         return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}
     return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}
@@ -206,7 +210,7 @@ def fused_experts_mxfp4(x: torch.Tensor, w13: MXFP4Weight, w2: MXFP4Weight, topk
     e, two_i, h = w13.shape
     if t == 0:
         return x.new_zeros((0, h))
-    cfg = config or mxfp4_config(t * k, e)
+    cfg = config or mxfp4_config(t * k, e, x.element_size())
     rows, block_expert = moe_align(topk_ids, e, cfg["BLOCK_M"])
     x = x if x.stride(1) == 1 else x.contiguous()
     routed = topk_weights.reshape(-1).contiguous()

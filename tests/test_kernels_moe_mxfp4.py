@@ -118,6 +118,7 @@ def test_default_tiles_of_every_band_and_refusals():
     w13, w2 = mxfp4_weight(e, 2 * inter, h, seed=5), mxfp4_weight(e, h, inter, seed=6)
     b13, b2 = torch.zeros(e, 2 * inter, device=DEVICE), torch.zeros(e, h, device=DEVICE)
     assert [mxfp4_config(t * k, e)["BLOCK_M"] for t in tokens_per_tile_band(e, k)] == [16, 32, 64, 128]
+    assert [mxfp4_config(t * k, e, itemsize=4)["BLOCK_M"] for t in tokens_per_tile_band(e, k)] == [16, 32, 64, 64]
     for t in tokens_per_tile_band(e, k)[::3]:
         x = torch.randn(t, h, generator=torch.Generator().manual_seed(t)).to(DEVICE, torch.bfloat16)
         weights, ids = routing(t, e, k, seed=t)

@@ -105,5 +105,5 @@ class MXFP4FusedMoE(FusedMoE):
                                       self.b2 if self.first_rank else None)
 
     def block_m_of(self, num_pairs: int) -> int:
-        return mxfp4_config(num_pairs, self.num_experts)["BLOCK_M"]
+        return mxfp4_config(num_pairs, self.num_experts, self.dtype.itemsize)["BLOCK_M"]
 
