@@ -90,16 +90,16 @@ def test_experts_stay_4_bit_and_logits_match_transformers(mxfp4_folder):
 
 
 def test_a_rank_holds_its_share_of_the_4_bit_experts(mxfp4_folder):
-    """At TP=2 rank 1 holds gate rows 64..127 and up rows 64..127 (deinterleaved from the
-    checkpoint's alternate rows) and the down weights' second half of K, scales with them."""
+    """At TP=2 rank 1 holds the (gate, up) row pairs of columns 64..127 (rows 128..255, still
+    interleaved) with their bias, and the down weights' second half of K, scales with them."""
     from safetensors.torch import load_file
     folder, _ = mxfp4_folder
     state = load_file(str(folder / "model.safetensors"))
     ours = load_model(str(folder), GptOssForCausalLM, TPGroup(rank=1, world_size=2), "float32", "cpu")
     ex = ours.model.layers[1].mlp.experts
     blocks = state["model.layers.1.mlp.experts.gate_up_proj_blocks"]
-    gate, up = blocks[:, 0::2], blocks[:, 1::2]
-    assert torch.equal(ex.w13_blocks, torch.cat([gate[:, 64:], up[:, 64:]], 1).flatten(2))
+    assert torch.equal(ex.w13_blocks, blocks[:, 128:].flatten(2))
+    assert torch.equal(ex.b13, state["model.layers.1.mlp.experts.gate_up_proj_bias"][:, 128:])
     scales = state["model.layers.1.mlp.experts.down_proj_scales"]
     assert torch.equal(ex.w2_scales, scales[:, :, 2:])
     assert torch.equal(ex.w2_blocks, state["model.layers.1.mlp.experts.down_proj_blocks"][:, :, 2:].flatten(2))

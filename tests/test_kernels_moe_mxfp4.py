@@ -4,21 +4,17 @@ grouped GEMM (`tl.dot_scaled`, the integer decode) against a float64 loop over t
 experts (on CPU under TRITON_INTERPRET=1, natively on a GPU)."""
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
-from kernels.activation import swiglu_oai_and_mul, swiglu_oai_and_mul_ref
 from kernels.fused_moe import moe_align, tokens_per_tile_band
-from kernels.fused_moe_mxfp4 import (FP4_VALUES, MXFP4Weight, _grouped_gemm_mxfp4, dequantize_mxfp4,
+from kernels.fused_moe_mxfp4 import (FP4_VALUES, MXFP4Weight, SwigluOAI, _grouped_gemm_mxfp4, dequantize_mxfp4,
                                      fused_experts_mxfp4, fused_experts_mxfp4_ref, mxfp4_config)
 from tests.conftest import DEVICE
 from tests.test_kernels_moe import rel_err, routing
 
 ALPHA, LIMIT = 1.702, 1.5  # a limit that binds on these weights
-ACT = functools.partial(swiglu_oai_and_mul, alpha=ALPHA, limit=LIMIT)
-ACT_REF = functools.partial(swiglu_oai_and_mul_ref, alpha=ALPHA, limit=LIMIT)
+ACT = SwigluOAI(ALPHA, LIMIT)
 TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-5}
 SMALL = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}
 LARGE = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}
@@ -32,16 +28,15 @@ def mxfp4_weight(e: int, n: int, k: int, seed: int, scales: tuple[int, int] = (1
 
 
 def oracle(x, w13: MXFP4Weight, w2: MXFP4Weight, weights, ids, b13, b2) -> torch.Tensor:
-    """sum_j w[t, j] (W2 act(W13 x[t] + b13) + b2), all in float64, token by token; gpt-oss's
-    activation written out here."""
+    """sum_j w[t, j] (W2 act(W13 x[t] + b13) + b2), all in float64, token by token; W13's rows
+    (gate, up) pairs, gpt-oss's activation written out here."""
     w13f, w2f = (dequantize_mxfp4(w.blocks, w.scales, torch.float64) for w in (w13, w2))
-    inter = w2f.shape[2]
     out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
             h = w13f[e] @ x[t].double() + b13[e].double()
-            gate, up = h[:inter].clamp(max=LIMIT), h[inter:].clamp(-LIMIT, LIMIT)
+            gate, up = h[0::2].clamp(max=LIMIT), h[1::2].clamp(-LIMIT, LIMIT)
             h = gate * torch.sigmoid(ALPHA * gate) * (up + 1)
             out[t] += weights[t, j].double() * (w2f[e] @ h + b2[e].double())
     return out
@@ -86,29 +81,41 @@ def test_fused_experts_mxfp4_against_a_float64_loop(dtype, scaled_dot, t, e, k, 
     assert got.shape == (t, h) and got.dtype == dtype
     assert rel_err(got, ref) < TOL[dtype]
     if scaled_dot:  # (once a shape) the torch reference, the engine's CPU path
-        assert rel_err(fused_experts_mxfp4_ref(x, w13, w2, weights.to(dtype), ids, ACT_REF, b13, b2), ref) < TOL[dtype]
+        assert rel_err(fused_experts_mxfp4_ref(x, w13, w2, weights.to(dtype), ids, ACT, b13, b2), ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("fused_act", [False, True], ids=["down", "gate_up"])
 @pytest.mark.parametrize("scaled_dot", [True, False], ids=["dot_scaled", "decode"])
-def test_grouped_gemm_writes_each_pair_row_once_and_nothing_else(scaled_dot):
-    """One launch (the down GEMM: routing weights, a bias) into a NaN-poisoned output whose rows are
-    views of wider rows: each pair's row is its expert's product, the columns beside it untouched."""
+def test_grouped_gemm_writes_each_pair_row_once_and_nothing_else(scaled_dot, fused_act):
+    """One launch into a NaN-poisoned output whose rows are views of wider rows: the down GEMM
+    (routing weights, a bias) or the gate/up GEMM with the activation of its (gate, up) row pairs
+    fused (a bias, each token's row read for its k pairs): each pair's row is its expert's result,
+    the columns beside it untouched."""
     t, e, k, kdim, n = 6, 5, 2, 96, 40
     g = torch.Generator().manual_seed(7)
-    a = torch.randn(t * k, kdim, generator=g).to(DEVICE, torch.bfloat16)
+    a = torch.randn(t if fused_act else t * k, kdim, generator=g).to(DEVICE, torch.bfloat16)
     w = mxfp4_weight(e, n, kdim, seed=2)
     b = torch.randn(e, n, generator=g).to(DEVICE, torch.bfloat16)
     weights, ids = routing(t, e, k, seed=3)
     rows, block_expert = moe_align(ids, e, SMALL["BLOCK_M"])
-    wide = torch.full((t * k, n + 3), float("nan"), device=DEVICE, dtype=torch.bfloat16)
-    out = wide[:, :n]
-    _grouped_gemm_mxfp4(a, w, b, rows, block_expert, out, weights.reshape(-1), 1, SMALL, scaled_dot)
+    cols = n // 2 if fused_act else n
+    wide = torch.full((t * k, cols + 3), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+    out = wide[:, :cols]
+    if fused_act:
+        _grouped_gemm_mxfp4(a, w, b, rows, block_expert, out, None, k, SMALL, scaled_dot, ACT)
+    else:
+        _grouped_gemm_mxfp4(a, w, b, rows, block_expert, out, weights.reshape(-1), 1, SMALL, scaled_dot)
     wf = dequantize_mxfp4(w.blocks, w.scales, torch.float64)
     flat = ids.flatten()
     for p in range(t * k):
-        want = (wf[flat[p]] @ a[p].double() + b[flat[p]].double()) * weights.reshape(-1)[p].double()
+        h = wf[flat[p]] @ a[p // k if fused_act else p].double() + b[flat[p]].double()
+        if fused_act:
+            gate, up = h[0::2].clamp(max=LIMIT), h[1::2].clamp(-LIMIT, LIMIT)
+            want = gate * torch.sigmoid(ALPHA * gate) * (up + 1)
+        else:
+            want = h * weights.reshape(-1)[p].double()
         assert rel_err(out[p], want) < 1e-2, p
-    assert torch.isnan(wide[:, n:]).all(), "wrote outside the output rows"
+    assert torch.isnan(wide[:, cols:]).all(), "wrote outside the output rows"
 
 
 def test_default_tiles_of_every_band_and_refusals():
@@ -141,6 +148,7 @@ def test_default_tiles_of_every_band_and_refusals():
 def test_gpt_oss_widths_against_the_bf16_op(scaled_dot):
     """gpt-oss's widths (H = I = 2880: a partial 128-wide K step) with the tiles of every band,
     against `fused_experts` on the same weights dequantized to bf16."""
+    from kernels.activation import swiglu_oai_and_mul
     from kernels.fused_moe import fused_experts
     e, k, h, inter = 8, 4, 2880, 2880
     w13, w2 = mxfp4_weight(e, 2 * inter, h, seed=0, scales=(119, 122)), mxfp4_weight(e, h, inter, seed=1,
@@ -148,9 +156,11 @@ def test_gpt_oss_widths_against_the_bf16_op(scaled_dot):
     g = torch.Generator().manual_seed(2)
     b13, b2 = (torch.randn(e, n, generator=g).to(DEVICE, torch.bfloat16) * 0.1 for n in (2 * inter, h))
     dense13, dense2 = (dequantize_mxfp4(w.blocks, w.scales, torch.bfloat16) for w in (w13, w2))
+    halves = lambda t: torch.cat([t[:, 0::2], t[:, 1::2]], 1).contiguous()  # noqa: E731 (the bf16 op's layout)
+    act = lambda h: swiglu_oai_and_mul(h, ALPHA, LIMIT)  # noqa: E731
     for t in tokens_per_tile_band(e, k):
         x = torch.randn(t, h, generator=g).to(DEVICE, torch.bfloat16)
         weights, ids = routing(t, e, k, seed=t)
-        want = fused_experts(x, dense13, dense2, weights.bfloat16(), ids, ACT, b13, b2)
+        want = fused_experts(x, halves(dense13), dense2, weights.bfloat16(), ids, act, halves(b13), b2)
         got = fused_experts_mxfp4(x, w13, w2, weights.bfloat16(), ids, ACT, b13, b2, scaled_dot=scaled_dot)
         assert rel_err(got, want.double()) < 1e-2, t

@@ -3,10 +3,12 @@ routing, tensor-parallel split and partial sums, its weights as the checkpoint s
 
 The checkpoint holds `gate_up_proj_blocks` [E, 2I, H/32, 16] and `down_proj_blocks` [E, H, I/32, 16]
 (uint8, two e2m1 values a byte) with `*_scales` [E, 2I, H/32] and [E, H, I/32] (E8M0), each the
-weight [rows, K] of `kernels.fused_moe_mxfp4`; the model hands them over with the gate and up
-rows already in two halves (gpt-oss interleaves them). A rank keeps [E, 2I/tp, H/2] and
-[E, H, I/(2 tp)] bytes with their scales: the gate/up rows split freely, the down weights along
-K, so I/tp must be whole 32-element scale blocks (refused otherwise, before any weight is read).
+weight [rows, K] of `kernels.fused_moe_mxfp4`, the gate and up rows interleaved (row 2j the gate
+of column j, 2j + 1 its up; `gate_up_proj_bias` likewise): kept so, the kernel's first launch
+applies the activation to whole (gate, up) pairs. A rank keeps [E, 2I/tp, H/2] and
+[E, H, I/(2 tp)] bytes with their scales: its 2I/tp consecutive gate/up rows (the pairs of its
+columns), the down weights split along K, so I/tp must be whole 32-element scale blocks (refused
+otherwise, before any weight is read).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import math
 import torch
 from torch import nn
 
-from kernels.fused_moe_mxfp4 import MXFP4_BLOCK, MXFP4Weight, mxfp4_config
+from kernels.fused_moe_mxfp4 import MXFP4_BLOCK, MXFP4Weight, SwigluOAI, mxfp4_config
 from workers.layers.moe import FusedMoE
 from workers.ops import fused_experts_mxfp4_op
 from workers.parallel import TPGroup
@@ -26,12 +28,15 @@ DUMMY_SCALES = (124, 128)
 
 
 class MXFP4FusedMoE(FusedMoE):
-    """`FusedMoE` (softmax over the top k, gated experts, optional biases in the model's dtype)
-    with w13 and w2 in MXFP4: parameters `w13_blocks`, `w13_scales`, `w2_blocks`, `w2_scales`,
-    loaded stacked in the checkpoint's shapes (no per-expert tensors, no shared expert)."""
+    """`FusedMoE` (softmax over the top k, gpt-oss's activation `SwigluOAI`, optional biases in
+    the model's dtype) with w13 and w2 in MXFP4: parameters `w13_blocks`, `w13_scales`, `w2_blocks`,
+    `w2_scales`, loaded stacked in the checkpoint's shapes and row order (no per-expert tensors,
+    no shared expert)."""
 
-    def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int, activation, tp: TPGroup,
-                 dtype: torch.dtype, device: torch.device, name: str = "", bias: bool = False) -> None:
+    def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int, activation: SwigluOAI,
+                 tp: TPGroup, dtype: torch.dtype, device: torch.device, name: str = "", bias: bool = False) -> None:
+        if not isinstance(activation, SwigluOAI):
+            raise TypeError(f"{name}: MXFP4 experts run gpt-oss's activation (a SwigluOAI), got {activation!r}")
         if hidden % MXFP4_BLOCK or intermediate % MXFP4_BLOCK:
             raise ValueError(f"{name}: MXFP4 experts need hidden ({hidden}) and intermediate ({intermediate}) sizes "
                              f"in whole {MXFP4_BLOCK}-element scale blocks")
@@ -86,11 +91,8 @@ class MXFP4FusedMoE(FusedMoE):
         elif which.startswith("w2"):  # split along K: whole scale blocks
             mine = full.narrow(2, self.start // MXFP4_BLOCK, self.size // MXFP4_BLOCK)
             param.data.copy_(mine.reshape(param.shape))
-        else:  # w13 (and b13): each half (gate, up) split on its own
-            for half in range(self.halves):
-                mine = full.narrow(1, half * self.intermediate + self.start, self.size)
-                param.data[:, half * self.size:(half + 1) * self.size].copy_(
-                    mine.reshape(mine.shape[0], self.size, *param.shape[2:]))
+        else:  # w13 and b13: this rank's (gate, up) row pairs, consecutive
+            param.data.copy_(full.narrow(1, 2 * self.start, 2 * self.size).reshape(param.shape))
 
     def dummy_weights(self, generator: torch.Generator) -> None:
         """Random bytes and scales near 2^0 (`--load-format dummy`): every e2m1 value occurs."""

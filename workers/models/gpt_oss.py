@@ -13,10 +13,11 @@ and up interleaved column by column, `gate_up_proj_bias` [E, 2I] likewise, `down
 they are turned into the experts' [E, 2I, H] (gate rows, then up rows) and [E, H, I] as they are
 read. The published checkpoints (`quantization_config` quant_method "mxfp4") keep the experts in
 MXFP4, `gate_up_proj_blocks` / `_scales` and `down_proj_blocks` / `_scales`, rows of outputs (gate
-and up interleaved row by row, deinterleaved here) and the reduction packed along the last axes:
-they stay 4-bit on the device (`MXFP4FusedMoE`), except in layers whose experts the config's
-`modules_to_not_convert` names (transformers' matching rule: those are read in bf16). Only the
-experts are ever MXFP4 (as transformers': attention, router, embeddings and head are bf16).
+and up interleaved row by row, kept so with their bias: the kernel activates whole pairs) and the
+reduction packed along the last axes: they stay 4-bit on the device (`MXFP4FusedMoE`), except in
+layers whose experts the config's `modules_to_not_convert` names (transformers' matching rule:
+those are read in bf16). Only the experts are ever MXFP4 (as transformers': attention, router,
+embeddings and head are bf16).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 from workers.layers.moe import FusedMoE, Router
+from kernels.fused_moe_mxfp4 import SwigluOAI
 from workers.layers.moe_mxfp4 import MXFP4FusedMoE
 from workers.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from workers.ops import swiglu_oai_op
@@ -57,12 +59,16 @@ class GptOssMoE(nn.Module):
         super().__init__()  # (`mlp_bias` is the dense MLPs' flag: gpt-oss's experts always have biases)
         e, h = config.num_local_experts, config.hidden_size
         # transformers up to 5.17 has no swiglu_alpha and fixes both at these values
-        act = functools.partial(swiglu_oai_op, alpha=float(getattr(config, "swiglu_alpha", None) or 1.702),
-                                limit=float(getattr(config, "swiglu_limit", None) or 7.0))
+        act = SwigluOAI(alpha=float(getattr(config, "swiglu_alpha", None) or 1.702),
+                        limit=float(getattr(config, "swiglu_limit", None) or 7.0))
         self.router = Router(h, e, dtype, device, bias=True)
-        experts_cls = MXFP4FusedMoE if mxfp4_experts(config, f"{prefix}.experts") else FusedMoE
-        self.experts = experts_cls(e, int(config.num_experts_per_tok), h, config.intermediate_size, act, tp, dtype,
-                                   device, f"{prefix}.experts", bias=True)
+        if mxfp4_experts(config, f"{prefix}.experts"):
+            self.experts = MXFP4FusedMoE(e, int(config.num_experts_per_tok), h, config.intermediate_size, act, tp,
+                                         dtype, device, f"{prefix}.experts", bias=True)
+        else:
+            self.experts = FusedMoE(e, int(config.num_experts_per_tok), h, config.intermediate_size,
+                                    functools.partial(swiglu_oai_op, alpha=act.alpha, limit=act.limit), tp, dtype,
+                                    device, f"{prefix}.experts", bias=True)
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -118,8 +124,8 @@ def to_our_layout(name: str, t: torch.Tensor) -> torch.Tensor:
     """A checkpoint's expert tensor in the layout `FusedMoE` loads."""
     if name.endswith(".experts.gate_up_proj"):  # [E, H, 2I] interleaved -> [E, 2I, H] halves
         return _deinterleave(t.transpose(1, 2), 1)
-    if name.endswith((".experts.gate_up_proj_bias", ".experts.gate_up_proj_blocks", ".experts.gate_up_proj_scales")):
-        return _deinterleave(t, 1)  # (MXFP4: rows of outputs, already [E, 2I, ...])
+    if name.endswith(".experts.gate_up_proj_bias"):
+        return _deinterleave(t, 1)
     if name.endswith(".experts.down_proj"):  # [E, I, H] -> [E, H, I]
         return t.transpose(1, 2)
     return t
@@ -142,7 +148,10 @@ class GptOssForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def converted() -> Iterator[tuple[str, torch.Tensor]]:
             for name, t in weights:
-                yield name, to_our_layout(name, t)
+                # MXFP4 experts keep the checkpoint's interleaved gate/up rows, their bias too
+                mxfp4 = ".mlp.experts." in name and isinstance(self.get_submodule(name.rsplit(".", 1)[0]),
+                                                                 MXFP4FusedMoE)
+                yield name, t if mxfp4 else to_our_layout(name, t)
         return super().load_weights(converted())
 
     def expected_checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
