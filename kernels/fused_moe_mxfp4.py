@@ -16,9 +16,10 @@ interleaved (row 2j the gate of column j, 2j + 1 its up), so that a tile of w13'
 [T*k, I]: two launches and the sum, no activation launch and no [T*k, 2I] buffer. Two ways to
 dequantize, a constexpr of the kernel:
 `tl.dot_scaled` (bf16 activations, e2m1 weights with their E8M0 scales: Triton lowers it to its
-own upcast and a bf16 product on GPUs without FP4 tensor cores, Hopper's included) and "registers"
-(the nibbles decoded with integer ops into float32 bits, times the scale, cast to the activations'
-dtype, then `tl.dot`; any dtype, fp32 included). `fused_experts_mxfp4_ref` dequantizes the experts
+own upcast and a bf16 product on GPUs without FP4 tensor cores, Hopper's included) and "decode"
+(the kernel's own: the nibbles decoded with integer ops into float32 bits, times the scale, cast to
+the activations' dtype, then `tl.dot`; any dtype, fp32 included; `DISTENGINE_MXFP4_DOT=decode`
+picks it for bf16 too). `fused_experts_mxfp4_ref` dequantizes the experts
 a batch chose, deinterleaves their gate/up rows and runs `fused_experts_ref` with
 `swiglu_oai_and_mul_ref` (the engine's path on CPU and the tests' oracle).
 """
