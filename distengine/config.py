@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field, replace
 
+from distengine.model_config import check_kv_cache_dtype
 from distengine.worker_info import DeviceInfo
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -36,6 +37,10 @@ class EngineConfig:
     device: str = "auto"               # "auto", "cuda" or "cpu"; resolved by the executor (`placed`)
     dtype: str = "auto"                # "auto" or a name in distengine.hf_config.DTYPES; resolved by `placed`
     block_size: int = 16
+    # vLLM's name: the attention K/V's dtype, "auto" (the model's) or "fp8" / "fp8_e4m3" (e4m3, 1
+    # byte an element, scaled per layer by the checkpoint's k/v scales, else 1.0; twice the tokens
+    # in the same memory). Mamba and Gated DeltaNet states keep their own dtypes.
+    kv_cache_dtype: str = "auto"
     max_model_len: int = 0             # resolved: the model's max_position_embeddings unless given
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
@@ -137,6 +142,7 @@ class EngineConfig:
              "'auto', 'cuda' or 'cpu'")
         want("placement_strategy", self.placement_strategy in PLACEMENT_STRATEGIES, f"one of {PLACEMENT_STRATEGIES}")
         want("load_format", self.load_format in ("auto", "dummy"), "'auto' or 'dummy'")
+        check_kv_cache_dtype(self.kv_cache_dtype)
         want("structured_outputs_backend", self.structured_outputs_backend in STRUCTURED_OUTPUTS_BACKENDS,
              f"one of {', '.join(repr(b) for b in STRUCTURED_OUTPUTS_BACKENDS)}")
         want("distributed_executor_backend", self.distributed_executor_backend in (None, "ray", "uni"),

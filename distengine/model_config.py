@@ -10,6 +10,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+
+class ConfigError(ValueError):
+    """A config we cannot plan for; the message names what is missing or unsupported."""
+
+
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 
 FULL, SLIDING, CHUNKED, MAMBA, CROSS = "full_attention", "sliding_window", "chunked_local", "mamba", "cross_attention"
@@ -20,12 +25,18 @@ MLP, MOE, PARALLEL = "mlp", "moe", "attention+mamba"
 # keeps their state as it keeps a Mamba layer's (kind MAMBA, a `DeltaNetShape`).
 LINEAR = "linear_attention"
 
-_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2,
-                "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "float8_e4m3fn": 1}
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+# vLLM's `kv_cache_dtype` values we serve: "auto" keeps the attention K/V in the model's dtype;
+# "fp8" and "fp8_e4m3" store them as e4m3 (torch.float8_e4m3fn), 1 byte an element, with a
+# per-layer scale. Mamba and Gated DeltaNet states keep their own dtypes either way.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 
 
-class ConfigError(ValueError):
-    """A config we cannot plan for; the message names what is missing or unsupported."""
+def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ConfigError(f"kv_cache_dtype must be one of {', '.join(repr(d) for d in KV_CACHE_DTYPES)}, "
+                          f"got {kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -162,8 +173,15 @@ class ModelKVConfig:
     name: str
     architecture: str
     layers: tuple[LayerKV, ...]
-    dtype_bytes: int
+    dtype_bytes: int  # an attention K/V element's (the KV cache dtype's)
     max_model_len: int
+    # A Mamba / Gated DeltaNet state's element (the model's dtype) when it differs from the K/V's
+    # (an fp8 KV cache); 0: the same.
+    state_dtype_bytes: int = 0
+
+    @property
+    def state_bytes_per_element(self) -> int:
+        return self.state_dtype_bytes or self.dtype_bytes
 
 
 def builtin_names() -> list[str]:
@@ -213,7 +231,11 @@ _GEMMA4_GLOBAL_HEAD_DIM = 512  # Gemma4TextConfig's default global_head_dim
 _MODEL_TYPE_DEFAULTS["llama4"] = _MODEL_TYPE_DEFAULTS["llama4_text"]
 
 
-def parse_model_config(cfg: dict, name: str = "model", kv_cache_dtype: str = "auto") -> ModelKVConfig:
+def parse_model_config(cfg: dict, name: str = "model", kv_cache_dtype: str = "auto",
+                       dtype: str = "auto") -> ModelKVConfig:
+    """`dtype`: the model's (its states'; "auto": the checkpoint's, bfloat16 for a float32 one,
+    as vLLM serves it); `kv_cache_dtype` (KV_CACHE_DTYPES): its attention K/V's."""
+    check_kv_cache_dtype(kv_cache_dtype)
     arch = (cfg.get("architectures") or [cfg.get("model_type", "unknown")])[0]
     text = cfg.get("text_config") or cfg
     mt = text.get("model_type") or cfg.get("model_type") or ""
@@ -224,13 +246,13 @@ def parse_model_config(cfg: dict, name: str = "model", kv_cache_dtype: str = "au
     kv_heads = get("num_key_value_heads") or heads
     hidden = get("hidden_size")
     head_dim = get("head_dim") or (hidden // heads if hidden and heads else None)
-    dtype = kv_cache_dtype
     if dtype == "auto":
         # As vLLM's "auto": a float32 checkpoint is served in bfloat16.
         dtype = get("torch_dtype") or get("dtype") or "bfloat16"
         dtype = "bfloat16" if dtype in ("float32", "float") else dtype
     if dtype not in _DTYPE_BYTES:
-        raise ConfigError(f"unsupported KV cache dtype {dtype!r} (one of {', '.join(_DTYPE_BYTES)})")
+        raise ConfigError(f"unsupported model dtype {dtype!r} (one of {', '.join(_DTYPE_BYTES)})")
+    kv_bytes = 1 if kv_cache_dtype in FP8_KV_CACHE_DTYPES else _DTYPE_BYTES[dtype]
     max_len = get("max_position_embeddings") or get("max_seq_len") or get("seq_length")
     if not max_len:
         raise ConfigError("config lacks max_position_embeddings: give --max-model-len")
@@ -270,8 +292,9 @@ def parse_model_config(cfg: dict, name: str = "model", kv_cache_dtype: str = "au
             layers += [attention(i, FULL), LayerKV(name=mamba_layer_name(i, k), kind=MAMBA, mamba=mamba)]
         elif k not in (MLP, MOE):
             layers.append(attention(i, k))
-    return ModelKVConfig(name=name, architecture=arch, layers=tuple(layers), dtype_bytes=_DTYPE_BYTES[dtype],
-                         max_model_len=int(max_len))
+    state_bytes = _DTYPE_BYTES[dtype]
+    return ModelKVConfig(name=name, architecture=arch, layers=tuple(layers), dtype_bytes=kv_bytes,
+                         max_model_len=int(max_len), state_dtype_bytes=state_bytes if state_bytes != kv_bytes else 0)
 
 
 def mamba_layer_name(i: int, kind: str) -> str:

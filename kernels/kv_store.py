@@ -3,6 +3,11 @@
 Layout (kernels/README.md): `kv_cache[num_blocks, 2, block_size, num_kv_heads, head_dim]`, and
 token t goes to block `slot_mapping[t] // block_size`, offset `slot_mapping[t] % block_size`.
 A slot of -1 means the token's KV is already cached (prefix-cache hit) and is not written.
+
+An fp8 cache (`torch.float8_e4m3fn`, vLLM's kv_cache_dtype "fp8") stores each element as
+x / scale, saturated to the format's +-448, with one scale for K and one for V (1-element
+float32 tensors on the cache's device, so a CUDA graph reads them where they are); readers
+multiply back (`kernels.paged_attention`).
 """
 from __future__ import annotations
 
@@ -12,22 +17,49 @@ import triton.language as tl
 
 from kernels.pdl import pdl_args, pdl_wait
 
-__all__ = ["store_kv", "store_kv_ref"]
+__all__ = ["store_kv", "store_kv_ref", "FP8_DTYPE", "FP8_MAX", "is_fp8", "quantize_fp8_ref"]
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite value (it has no infinity: larger values would be NaN)
 
 
-def _check(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def is_fp8(kv_cache: torch.Tensor) -> bool:
+    return kv_cache.dtype == FP8_DTYPE
+
+
+def check_scales(kv_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    """An fp8 cache needs its two scales (1-element float32 tensors on its device); others none."""
+    if not is_fp8(kv_cache):
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale / v_scale apply to an fp8 KV cache, not a {kv_cache.dtype} one")
+        return
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is None or s.numel() != 1 or s.dtype != torch.float32 or s.device != kv_cache.device:
+            raise ValueError(f"an fp8 KV cache needs {name} as a 1-element float32 tensor on {kv_cache.device}, "
+                             f"got {None if s is None else (tuple(s.shape), s.dtype, str(s.device))}")
+
+
+def quantize_fp8_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale in e4m3, rounded to nearest (ties to even), saturated to +-448."""
+    return (x.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def _check(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+           k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
     assert key.dim() == 3 and key.shape == value.shape, (key.shape, value.shape)
     assert kv_cache.dim() == 5 and kv_cache.shape[1] == 2, kv_cache.shape
     assert kv_cache.shape[3:] == key.shape[1:], (kv_cache.shape, key.shape)
     assert slot_mapping.shape == (key.shape[0],), (slot_mapping.shape, key.shape)
+    check_scales(kv_cache, k_scale, v_scale)
 
 
 @triton.jit
-def _store_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr,
+def _store_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
                      num_heads, head_dim, block_size,
                      sk_t, sk_h, sk_d, sv_t, sv_h, sv_d,
                      sc_b, sc_kv, sc_s, sc_h, sc_d,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
+                     PDL: tl.constexpr):
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -42,37 +74,52 @@ def _store_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr,
     v = tl.load(value_ptr + t * sv_t + h[:, None] * sv_h + d[None, :] * sv_d, mask=mask)
     # blk is int64, so the block offset cannot overflow on caches larger than 2**31 elements.
     dst = cache_ptr + blk * sc_b + off * sc_s + h[:, None] * sc_h + d[None, :] * sc_d
+    if FP8:
+        # Rounded division (div_rn): the same e4m3 values as the torch reference, not an approximation.
+        k = tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr))
+        v = tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr))
+        k = tl.minimum(tl.maximum(k, -448.0), 448.0)
+        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
     tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + sc_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
     """Writes in place into `kv_cache`, which may be a strided view of a group buffer (its
     strides are passed to the kernel, nothing is copied). One program per (token, head tile):
-    the tile is capped at ~2K elements so wide heads x many heads still fit in registers."""
-    _check(key, value, kv_cache, slot_mapping)
+    the tile is capped at ~2K elements so wide heads x many heads still fit in registers.
+    An fp8 cache takes `k_scale` and `v_scale`."""
+    _check(key, value, kv_cache, slot_mapping, k_scale, v_scale)
     num_tokens, num_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     block_d = triton.next_power_of_2(head_dim)
     block_h = min(triton.next_power_of_2(num_heads), max(1, 2048 // block_d))
     grid = (num_tokens, triton.cdiv(num_heads, block_h))
-    _store_kv_kernel[grid](key, value, kv_cache, slot_mapping,
+    fp8 = is_fp8(kv_cache)
+    _store_kv_kernel[grid](key, value, kv_cache, slot_mapping, k_scale if fp8 else key, v_scale if fp8 else key,
                            num_heads, head_dim, kv_cache.shape[2],
                            *key.stride(), *value.stride(), *kv_cache.stride(),
-                           BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4 if block_h * block_d >= 1024 else 2,
+                           BLOCK_H=block_h, BLOCK_D=block_d, FP8=fp8, num_warps=4 if block_h * block_d >= 1024 else 2,
                            **pdl_args(key))
 
 
 def store_kv_ref(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> None:
     """Same contract as `store_kv`, as one index_put per K and V (what runs on CPU)."""
-    _check(key, value, kv_cache, slot_mapping)
+    _check(key, value, kv_cache, slot_mapping, k_scale, v_scale)
     block_size = kv_cache.shape[2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     blk, off = slots // block_size, slots % block_size
     # kv_cache[:, i] is a view, so the index_put writes through to the (possibly strided) cache.
+    if is_fp8(kv_cache):  # as bytes: not every torch build indexes float8 tensors
+        raw = kv_cache.view(torch.uint8)
+        raw[:, 0][blk, off] = quantize_fp8_ref(key[keep], k_scale).view(torch.uint8)
+        raw[:, 1][blk, off] = quantize_fp8_ref(value[keep], v_scale).view(torch.uint8)
+        return
     kv_cache[:, 0][blk, off] = key[keep].to(kv_cache.dtype)
     kv_cache[:, 1][blk, off] = value[keep].to(kv_cache.dtype)

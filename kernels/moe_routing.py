@@ -1,6 +1,7 @@
 """The router's choice in one launch: each token's k largest logits, their experts, and the
-softmax over those k (Granite's and gpt-oss's rule), or each one's sigmoid (`topk_sigmoid`,
-Llama-4's rule).
+softmax over those k (Granite's and gpt-oss's rule) or over all experts (`renormalize` False:
+Jamba's, Qwen3-Next's without norm_topk_prob), or each one's sigmoid (`topk_sigmoid`, Llama-4's
+rule).
 
 Why a kernel: in torch it is a float cast, a top-k (a sort and a gather), a softmax and a cast
 back, five launches that wait for one another and cannot start early (no PDL); at batch 1 on an
@@ -40,7 +41,7 @@ __all__ = ["check_groups", "topk_sigmoid", "topk_sigmoid_grouped", "topk_sigmoid
 @triton.jit
 def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, n_experts, stride_t,
                          K: tl.constexpr, K_P2: tl.constexpr, SHARED: tl.constexpr, BLOCK_E: tl.constexpr,
-                         SIGMOID: tl.constexpr, PDL: tl.constexpr):
+                         SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
@@ -49,6 +50,7 @@ def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, n_experts, stride_t,
     vals = tl.zeros([K_P2], tl.float32)
     ids = tl.zeros([K_P2], tl.int64)
     top = tl.max(x, axis=0)
+    total = tl.sum(tl.exp(x - top), axis=0)  # the softmax's denominator over all experts
     for j in tl.static_range(K):
         m = tl.max(x, axis=0)
         i = tl.min(tl.where(x == m, cols, BLOCK_E), axis=0)  # the lowest id among equal logits
@@ -60,8 +62,10 @@ def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, n_experts, stride_t,
         x = tl.where(cols == i, float("-inf"), x)
     if SIGMOID:
         w = vals
-    else:
+    elif RENORMALIZE:
         w = vals / tl.sum(vals, axis=0)
+    else:
+        w = vals / total
     keep = slots < K
     tl.store(weights_ptr + t * (K + SHARED) + slots, w.to(weights_ptr.dtype.element_ty), mask=keep)
     tl.store(ids_ptr + t * (K + SHARED) + slots, ids, mask=keep)
@@ -87,7 +91,7 @@ def _check(logits: torch.Tensor, k: int, shared: int, gated: bool = True) -> int
     return e
 
 
-def _topk(logits: torch.Tensor, k: int, dtype: torch.dtype, shared: int, sigmoid: bool):
+def _topk(logits: torch.Tensor, k: int, dtype: torch.dtype, shared: int, sigmoid: bool, renormalize: bool = True):
     e = _check(logits, k, shared, gated=not sigmoid)
     t = logits.shape[0]
     weights = torch.empty((t, k + shared), dtype=dtype, device=logits.device)
@@ -96,14 +100,17 @@ def _topk(logits: torch.Tensor, k: int, dtype: torch.dtype, shared: int, sigmoid
         logits = logits if logits.stride(1) == 1 else logits.contiguous()
         _topk_softmax_kernel[(t,)](logits, weights, ids, e, logits.stride(0), K=k, K_P2=triton.next_power_of_2(k),
                                    SHARED=shared, BLOCK_E=triton.next_power_of_2(e), SIGMOID=sigmoid,
-                                   num_warps=4 if e <= 1024 else 8, **pdl_args(logits))
+                                   RENORMALIZE=renormalize, num_warps=4 if e <= 1024 else 8, **pdl_args(logits))
     return weights, ids
 
 
-def topk_softmax(logits: torch.Tensor, k: int, dtype: torch.dtype, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_softmax(logits: torch.Tensor, k: int, dtype: torch.dtype, shared: int = 0,
+                 renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] (any float dtype), or [T, E + 1] with the shared expert's gate last when
-    `shared` > 0 -> (weights [T, k + shared] in `dtype`, expert ids [T, k + shared] int64)."""
-    return _topk(logits, k, dtype, shared, sigmoid=False)
+    `shared` > 0 -> (weights [T, k + shared] in `dtype`, expert ids [T, k + shared] int64). With
+    `renormalize` False each of the k keeps its softmax over all experts (Jamba's router,
+    Qwen3-Next without norm_topk_prob)."""
+    return _topk(logits, k, dtype, shared, sigmoid=False, renormalize=renormalize)
 
 
 def topk_sigmoid(logits: torch.Tensor, k: int, dtype: torch.dtype, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

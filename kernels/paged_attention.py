@@ -17,6 +17,10 @@ Options: sliding window (a query at p reads p-W+1..p), chunked local attention (
 query's chunk p // C), logit soft-capping, a scale (and optional per-head factors), attention
 sinks (a per-head logit in the softmax denominator, gpt-oss). fp32 accumulation; bf16/fp16 in
 and out.
+
+An fp8 cache (e4m3, `kernels.kv_store`) is converted to the query's dtype in registers (exactly:
+every e4m3 value is a bf16 and an fp16 one); its scales are folded in where they cost nothing:
+k_scale into the logits' scale, v_scale into the output.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_store import check_scales, is_fp8
 from kernels.pdl import pdl_args, pdl_wait
 
 LOG2E = 1.4426950408889634
@@ -53,14 +58,14 @@ def _find_seq(query_start_loc_ptr, num_seqs, pid_q, BLOCK_Q: tl.constexpr):
 def _paged_attention_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr,
     q_ptr, k_ptr, v_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr, sinks_ptr, head_scale_ptr,
-    scale, softcap, num_seqs,
+    k_scale_ptr, v_scale_ptr, scale, softcap, num_seqs,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bt, stride_pt, stride_ph, stride_ps,
     GQA: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr, CHUNK: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr, HAS_HEAD_SCALE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HAS_SINKS: tl.constexpr, HAS_HEAD_SCALE: tl.constexpr, NUM_SPLITS: tl.constexpr, FP8: tl.constexpr,
     DOT_F32: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
@@ -88,6 +93,8 @@ def _paged_attention_kernel(
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
+    if FP8:
+        scale = scale * tl.load(k_scale_ptr)
     qk_scale = scale * 1.4426950408889634  # softmax in base 2
     if HAS_HEAD_SCALE:
         row_scale = tl.load(head_scale_ptr + head, mask=row_ok, other=1.0).to(tl.float32)
@@ -124,6 +131,8 @@ def _paged_attention_kernel(
         slot = offs % BLOCK_SIZE
         k = tl.load(k_ptr + block[None, :] * stride_kb + slot[None, :] * stride_kt + kv_head * stride_kh
                     + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
+        if FP8:
+            k = k.to(q.dtype)
         if DOT_F32:
             k = k.to(tl.float32)
         s = tl.dot(q, k, input_precision=PRECISION)  # [BLOCK_M, TILE_N], fp32
@@ -152,11 +161,15 @@ def _paged_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vt + kv_head * stride_vh
                     + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+        if FP8:
+            v = v.to(q.dtype)
         if DOT_F32:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
+    if FP8:
+        acc = acc * tl.load(v_scale_ptr)
     tok_global = q_start + tok
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -248,13 +261,14 @@ def default_config(max_query_len: int, head_dim: int, gqa: int, block_size: int,
     shape: kernels/bench/sweep_decode_attention.py)."""
     block_m = max(16, _next_pow2(gqa))
     if head_dim > 256:
-        # Gemma 4's full layers (D=512), not swept: tiles chosen so that a stage of K and V plus
-        # the query tile fit in shared memory (bf16: 32 x 512 x 2 B per K or V tile, 64 KiB
-        # for two stages; the query tile BLOCK_M x 512 x 2 B) and the fp32 accumulator
-        # (BLOCK_M x 512) stays within 8 warps' registers.
+        # Gemma 4's full layers (D=512, Hq=32, Hkv=4; `kernels/bench/sweep_decode_attention.py
+        # --heads gemma4 [--prefill]`, H200): 32-key tiles, two stages. Decode at 3.8-4.1 TB/s
+        # (B=128 x 600, B=16 x 16k). Prefill: 64 query rows with 8 warps, 12.4 ms for 8,192 tokens
+        # against 14.2 with 32 rows and 25.1 with 32 rows and 8 warps; wider key tiles or a third
+        # stage spill or overflow shared memory.
         if max_query_len == 1:
             return {"BLOCK_M": block_m, "TILE_N": 32, "num_warps": 4, "num_stages": 2}
-        return {"BLOCK_M": max(block_m, 32), "TILE_N": 32, "num_warps": 8, "num_stages": 2}
+        return {"BLOCK_M": max(block_m, 64), "TILE_N": 32, "num_warps": 8, "num_stages": 2}
     if max_query_len == 1:  # decode: bandwidth-bound, 4 warps keep enough loads in flight
         # A window's first tile is partly masked: wider tiles waste less at D=128 (W=1024: 0.082
         # vs 0.106 ms); at D=256 a 128-key tile is too large (B=128, 600 tokens: 210 vs 176 us).
@@ -273,12 +287,13 @@ def paged_attention(
     seq_lens: torch.Tensor, max_query_len: int, max_seq_len: int, scale: float,
     sliding_window: int = 0, chunk_size: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None,
     head_scale: torch.Tensor | None = None, out: torch.Tensor | None = None, num_splits: int | None = None,
-    config: dict | None = None,
+    config: dict | None = None, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of `q[num_tokens, Hq, D]` over the paged K/V of `kv_cache[num_blocks, 2,
     block_size, Hkv, D]`, for a ragged batch (`query_start_loc[num_seqs+1]`, `seq_lens[num_seqs]`
     = context including the new tokens, whose K/V are already stored). `max_query_len` and
     `max_seq_len` are host integers (bounds are fine); they pick the tile shape and the splits.
+    An fp8 `kv_cache` takes its `k_scale` and `v_scale` (`kernels.kv_store`).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_blocks, two, block_size, num_kv_heads, head_dim_kv = kv_cache.shape
@@ -291,6 +306,8 @@ def paged_attention(
         raise ValueError("a layer has a sliding window or a local chunk, not both")
     if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("q and kv_cache need a contiguous last dimension")
+    check_scales(kv_cache, k_scale, v_scale)
+    fp8 = is_fp8(kv_cache)
     gqa = num_q_heads // num_kv_heads
     num_seqs = seq_lens.shape[0]
     if out is None:
@@ -301,7 +318,10 @@ def paged_attention(
     block_m = cfg["BLOCK_M"]
     block_q = max(1, block_m // gqa)
     if num_splits is None:
-        num_splits = (choose_num_splits(num_seqs, num_kv_heads, max_seq_len, _num_sms(q.device), cfg["TILE_N"])
+        # At D=512 each split's partial row is 2 KiB to merge: 8 splits at most (B=1, 600 keys,
+        # H200: 41 us against 56 with the 32 the rule gives D=256).
+        num_splits = (choose_num_splits(num_seqs, num_kv_heads, max_seq_len, _num_sms(q.device), cfg["TILE_N"],
+                                        max_splits=8 if head_dim > 256 else 32)
                       if max_query_len == 1 else 1)
     head_dim_pad = max(16, _next_pow2(head_dim))
     k_cache, v_cache = kv_cache[:, 0], kv_cache[:, 1]
@@ -318,6 +338,7 @@ def paged_attention(
     _paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
         out, part_acc, part_ml, q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
         sinks if sinks is not None else dummy, head_scale if head_scale is not None else dummy,
+        k_scale if fp8 else dummy, v_scale if fp8 else dummy,
         float(scale), float(softcap) if softcap else 1.0, num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -326,7 +347,7 @@ def paged_attention(
         GQA=gqa, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, TILE_N=cfg["TILE_N"], SLIDING_WINDOW=int(sliding_window), CHUNK=int(chunk_size),
         USE_SOFTCAP=bool(softcap), HAS_SINKS=sinks is not None, HAS_HEAD_SCALE=head_scale is not None,
-        NUM_SPLITS=num_splits, DOT_F32=_interpreter_bf16(q),
+        NUM_SPLITS=num_splits, FP8=fp8, DOT_F32=_interpreter_bf16(q),
         # fp32 models (tests against transformers) get full-precision products, not TF32.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **pdl_args(q),

@@ -2,24 +2,30 @@
 
 Same arguments and semantics as `kernels.paged_attention.paged_attention`. Per sequence it
 gathers only the key positions its queries read (from the window's or chunk's start), so like
-the kernel it never touches the null block or blocks that left the window.
+the kernel it never touches the null block or blocks that left the window. An fp8 cache's
+elements are read as e4m3 x their scale (`k_scale`, `v_scale`).
 """
 from __future__ import annotations
 
 import torch
+
+from kernels.kv_store import check_scales, is_fp8
 
 
 def paged_attention_ref(
     q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor, max_query_len: int = 0, max_seq_len: int = 0, scale: float = 1.0,
     sliding_window: int = 0, chunk_size: int = 0, softcap: float = 0.0, sinks: torch.Tensor | None = None,
-    head_scale: torch.Tensor | None = None, out: torch.Tensor | None = None, **_unused,
+    head_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, **_unused,
 ) -> torch.Tensor:
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     gqa = num_q_heads // num_kv_heads
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = torch.empty_like(q) if out is None else out
+    check_scales(kv_cache, k_scale, v_scale)
+    ks, vs = (k_scale.to(compute), v_scale.to(compute)) if is_fp8(kv_cache) else (1.0, 1.0)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     for s, seq_len in enumerate(lens):
         q0, q1 = starts[s], starts[s + 1]
@@ -35,8 +41,8 @@ def paged_attention_ref(
         kpos = torch.arange(lo, seq_len, device=q.device)
         blocks = block_table[s, kpos // block_size].long()
         slots = kpos % block_size
-        k = kv_cache[blocks, 0, slots].to(compute)  # [n, Hkv, D]
-        v = kv_cache[blocks, 1, slots].to(compute)
+        k = _gather(kv_cache, blocks, 0, slots).to(compute) * ks  # [n, Hkv, D]
+        v = _gather(kv_cache, blocks, 1, slots).to(compute) * vs
         qs = q[q0:q1].to(compute).reshape(q_len, num_kv_heads, gqa, head_dim)
         scores = torch.einsum("qhgd,nhd->hgqn", qs, k) * scale
         if head_scale is not None:
@@ -58,3 +64,11 @@ def paged_attention_ref(
         o = torch.einsum("hgqn,nhd->qhgd", probs, v)
         out[q0:q1] = o.reshape(q_len, num_q_heads, head_dim).to(out.dtype)
     return out
+
+
+def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor, kv: int, slots: torch.Tensor) -> torch.Tensor:
+    """K (kv=0) or V of the given positions; an fp8 cache's as bytes (not every torch build
+    indexes float8 tensors), then read back as e4m3."""
+    if is_fp8(kv_cache):
+        return kv_cache.view(torch.uint8)[blocks, kv, slots].view(kv_cache.dtype)
+    return kv_cache[blocks, kv, slots]

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from distengine.model_config import KV_CACHE_DTYPES
+
 
 def _token_ids(text: str) -> list[int]:
     try:
@@ -27,7 +29,8 @@ def run(args) -> int:
                             max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     with LLM(args.model, tensor_parallel_size=args.tensor_parallel_size, tokenizer=args.tokenizer,
              device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-             gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager) as llm:
+             gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+             kv_cache_dtype=args.kv_cache_dtype) as llm:
         if llm.tokenizer is None and any(isinstance(p, str) for p in prompts):
             raise ValueError(f"{args.model} has no tokenizer: give --tokenizer, or prompts as --prompt-token-ids")
         for out in llm.generate(prompts, params):
@@ -60,3 +63,6 @@ def add_arguments(p) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of each GPU the engine may use (weights, activations, KV cache)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="the attention K/V's dtype: auto (the model's) or fp8 / fp8_e4m3 (e4m3 with per-layer "
+                        "scales, twice the tokens)")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from distengine.model_config import MAMBA, load_config_dict, parse_model_config
+from distengine.model_config import KV_CACHE_DTYPES, MAMBA, load_config_dict, parse_model_config
 from distengine.kv_cache.plan import GIB, PACKED, PADDED, VLLM, KVCacheGroup, KVCachePlan, make_plan, vllm_plan
 
 
@@ -32,19 +32,21 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
-def _dtype_note(cfg: dict, requested: str, dtype_bytes: int) -> str:
-    if requested != "auto":
-        return requested
+def _dtype_note(cfg: dict, args, dtype_bytes: int) -> str:
+    if args.kv_cache_dtype != "auto":
+        return f"{args.kv_cache_dtype}: e4m3 K/V; states keep the model's dtype"
+    if args.dtype != "auto":
+        return f"auto: the model's {args.dtype}"
     text = cfg.get("text_config") or cfg
     ckpt = text.get("torch_dtype") or text.get("dtype") or cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
     if ckpt in ("float32", "float") and dtype_bytes == 2:
-        return "auto: bfloat16 for this float32 checkpoint, as served on GPUs (--kv-cache-dtype float32 for CPU)"
+        return "auto: bfloat16 for this float32 checkpoint, as served on GPUs (--dtype float32 for CPU)"
     return f"auto: the checkpoint's {ckpt}"
 
 
 def build_plan(args) -> KVCachePlan:
     name, cfg = load_config_dict(args.config)
-    model = parse_model_config(cfg, name, args.kv_cache_dtype)
+    model = parse_model_config(cfg, name, args.kv_cache_dtype, args.dtype)
     return make_plan(model, tp_size=args.tp, block_size=args.block_size, max_model_len=args.max_model_len,
                      max_num_groups=args.max_num_groups, group_size=args.group_size)
 
@@ -63,7 +65,7 @@ def run(args) -> int:
                 "what separate caches would hold; our single pool pads all to one page size)" if mamba
                 else "uniform (every layer keeping K/V for every token)")
     print(f"model {plan.model}  tp={plan.tp_size}  KV bytes per element {plan.dtype_bytes} "
-          f"({_dtype_note(cfg, args.kv_cache_dtype, plan.dtype_bytes)})  max_model_len={plan.max_model_len}")
+          f"({_dtype_note(cfg, args, plan.dtype_bytes)})  max_model_len={plan.max_model_len}")
     mamba_spec = next((g.spec for g in plan.groups if g.spec.kind == MAMBA), None)
     raised = ""
     if plan.block_size != plan.requested_block_size:
@@ -134,6 +136,9 @@ def add_arguments(p) -> None:
     p.add_argument("--tokens", type=int, default=None, help="also show the blocks one request of T tokens holds")
     p.add_argument("--max-num-groups", type=int, default=16, help="bound on KV cache groups (block tables per step)")
     p.add_argument("--group-size", type=int, default=None, help="force the layers per group")
-    p.add_argument("--kv-cache-dtype", default="auto",
-                   help="auto: the checkpoint's dtype, bfloat16 for a float32 one (as served on GPUs)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="the model's dtype, which Mamba states keep (auto: the checkpoint's, bfloat16 for a float32 "
+                        "one, as served on GPUs)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="the attention K/V's: auto (the model's dtype) or fp8 / fp8_e4m3 (1 byte an element)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")

@@ -21,7 +21,7 @@ class Harness:
                  device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         d = config.to_dict()
         d.setdefault("max_position_embeddings", 4096)
-        self.plan = make_plan(parse_model_config(d, kv_cache_dtype=DTYPE_NAMES[dtype]), tp.world_size, block_size)
+        self.plan = make_plan(parse_model_config(d, dtype=DTYPE_NAMES[dtype]), tp.world_size, block_size)
         self.model, self.device = model, torch.device(device)
         self.manager = KVCacheManager(self.plan, num_blocks)
         allocate_kv_cache(self.plan, model.cache_layers(), num_blocks, dtype, self.device)

@@ -153,6 +153,9 @@ def test_a_shape_cut_to_its_first_layers_runs_with_dummy_weights(tmp_path, capsy
     nano = shape_config("nemotron-3-nano-30b-a3b", 6)
     assert nano.hybrid_override_pattern == "MEMEM*" and nano.layers_block_type[-2:] == ["linear_attention",
                                                                                        "full_attention"]
+    jamba = shape_config("jamba-mini", 16)  # (Jamba's layout is periodic: nothing to cut but the count)
+    assert (jamba.num_hidden_layers, jamba.hidden_size, jamba.num_experts, jamba.mamba_dt_rank) == (16, 4096, 16, 256)
+    assert [i for i, t in enumerate(jamba.layers_block_type) if t == "attention"] == [4, 12]
     folder, out = tmp_path / "tl", tmp_path / "lat.json"
     args = ["bench", "latency", "--shape", "tiny-llama4", "--num-layers", "4", "--load-format", "dummy",
             "--device", "cpu", "--batch-size", "2", "--input-len", "20", "--output-len", "4", "--num-iters", "1",

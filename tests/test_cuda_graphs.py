@@ -7,8 +7,9 @@ before the KV cache is sized. With two GPUs: TP=2 on Ray, with its all-reduces i
 on Gemma-3, on a Mamba hybrid (Bamba: the state pages of a decode are found on the device,
 inside the graph), on Granite-4.0-H with routed experts (their sort by expert inside the graph),
 on gpt-oss (sinks, biases, experts with biases), on Qwen3.5-MoE (Gated DeltaNet states updated
-in place, gated attention, experts beside a gated shared expert) and on Llama-4 (chunked-local
-layers, the NoPE layers' query scale from the positions, experts scored on their input)."""
+in place, gated attention, experts beside a gated shared expert), on Llama-4 (chunked-local
+layers, the NoPE layers' query scale from the positions, experts scored on their input) and on
+Jamba (Mamba-1 states updated in place, experts weighed by their softmax over all experts)."""
 from __future__ import annotations
 
 import pytest
@@ -26,7 +27,7 @@ ARGS = dict(device="cuda", dtype="float32", block_size=4, max_model_len=256, max
 
 
 @pytest.fixture(scope="module", params=["gemma3", "bamba", "granitemoehybrid_moe", "gpt_oss", "qwen3_5_moe",
-                                                "llama4", "nemotron_h_moe", "gemma4"])
+                                                "llama4", "nemotron_h_moe", "gemma4", "jamba"])
 def model(request, tmp_path_factory):
     hf, _ = build(request.param)
     folder = tmp_path_factory.mktemp(request.param)

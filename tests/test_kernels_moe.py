@@ -193,13 +193,22 @@ def test_topk_softmax_with_a_shared_expert(impl, shared):
         impl(logits, 17, torch.float32, shared)
 
 
-def test_topk_softmax_over_all_experts_keeps_their_probabilities():
-    """Qwen3-Next without norm_topk_prob: the k chosen experts keep their softmax over all."""
-    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0, 0.5]])
-    weights, ids = topk_softmax_ref(logits, 2, torch.float64, 1, renormalize=False)
-    probs = torch.softmax(logits[0, :4].double(), dim=0)
+@pytest.mark.parametrize("impl", [topk_softmax, topk_softmax_ref], ids=["triton", "torch"])
+def test_topk_softmax_over_all_experts_keeps_their_probabilities(impl):
+    """Jamba, and Qwen3-Next without norm_topk_prob: the k chosen experts keep their softmax over
+    all (with a shared expert's slot after them), against a float64 evaluation; and on random
+    logits of 16 experts, 2 per token, as Jamba's router."""
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0, 0.5]], device=DEVICE)
+    weights, ids = impl(logits, 2, torch.float32, 1, renormalize=False)
+    probs = torch.softmax(logits[0, :4].double(), dim=0).cpu()
     assert ids.tolist() == [[1, 2, 4]]
-    torch.testing.assert_close(weights[0], torch.stack([probs[1], probs[2], torch.sigmoid(torch.tensor(0.5).double())]))
+    torch.testing.assert_close(weights[0].double().cpu(),
+                               torch.stack([probs[1], probs[2], torch.sigmoid(torch.tensor(0.5).double())]))
+    logits = torch.randn(9, 16, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    weights, ids = impl(logits, 2, torch.float32, renormalize=False)
+    want, want_ids = torch.softmax(logits.double(), dim=-1).topk(2, dim=-1)
+    assert torch.equal(ids.cpu(), want_ids.cpu())
+    torch.testing.assert_close(weights.double(), want, rtol=1e-6, atol=1e-7)
 
 
 def test_moe_align_kernel_limit():

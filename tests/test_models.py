@@ -103,6 +103,14 @@ CONFIGS = {
                                   mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=16,
                                   embedding_multiplier=2.0, residual_multiplier=0.7, attention_multiplier=0.2,
                                   logits_scaling=1.5, eos_token_id=None, initializer_range=0.2)),
+    # Jamba: Mamba-1 (with its dt/B/C norms, a conv bias and in/out_proj biases) and attention (no
+    # RoPE) layers; 4 experts, 2 per token, their weights not renormalised, on layers 0 and 2, the
+    # gated MLP on 1 and 3; dt rank 8 != hidden / 16; a larger init spreads the router's logits.
+    "jamba": ("JambaConfig", "workers.models.jamba:JambaForCausalLM",
+              dict(num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                   expert_layer_offset=0, num_experts=4, num_experts_per_tok=2, mamba_d_state=16, mamba_d_conv=4,
+                   mamba_expand=2, mamba_dt_rank=8, mamba_proj_bias=True, mamba_conv_bias=True,
+                   eos_token_id=None, initializer_range=0.1)),
     # gpt-oss: sliding (window 12) and full layers alternating, attention sinks, q/k/v/o biases,
     # YaRN; 4 experts, 2 per token, with biases and the clamped activation (a limit small enough
     # that the clamps bind on these weights).
@@ -187,7 +195,8 @@ CONFIGS.update({
                    {**GEMMA4, "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 0, "enable_moe_block": True,
                     "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 32, "initializer_range": 0.1}),
 })
-HYBRIDS = ["bamba", "nemotron_h", "nemotron_h_moe", "falcon_h1", "falcon_h1_norm", "granitemoehybrid", "granitemoehybrid_moe"]
+HYBRIDS = ["bamba", "nemotron_h", "nemotron_h_moe", "falcon_h1", "falcon_h1_norm", "granitemoehybrid", "granitemoehybrid_moe",
+           "jamba"]
 GATED_DELTANET = ["qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_vl", "qwen3_5_moe_vl"]
 
 
@@ -461,3 +470,66 @@ def test_llama4_experts_layout_and_quantized_checkpoints(tmp_path):
     text.quantization_config = {"quant_method": "fbgemm_fp8"}
     with pytest.raises(ValueError, match="'fbgemm_fp8'-quantized checkpoints are not supported"):
         Llama4ForCausalLM(text, TPGroup(), torch.float32, torch.device("cpu"))
+
+
+def test_jamba_stacked_experts_and_tp_shards_of_the_mamba1_mixer(tmp_path):
+    """transformers' in-memory expert layout (`experts.gate_up_proj`, `experts.down_proj`) loads
+    as the published one (`build`); at TP=2 rank 1 holds the second half of the channels: in_proj's
+    x and z halves each, the conv's, dt_proj's rows, A_log's rows and D, x_proj's input columns;
+    a Jamba whose Mamba or MLP activation is not silu, or a quantized one, is refused before any
+    weight is read."""
+    from safetensors.torch import save_file
+
+    from workers.models.jamba import JambaForCausalLM
+    hf, ours = build("jamba")
+    hf.save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert "model.layers.0.feed_forward.experts.gate_up_proj" in state
+    save_file(state, str(tmp_path / "model.safetensors"))
+    v5 = load_model(str(tmp_path), JambaForCausalLM, TPGroup(), "float32", "cpu")
+    for (name, a), (_, b) in zip(ours.named_parameters(), v5.named_parameters()):
+        assert torch.equal(a, b), name
+
+    class Rank1:
+        world_size, rank = 2, 1
+    half = JambaForCausalLM(hf.config, Rank1(), torch.float32, torch.device("cpu"))
+    half.load_weights(state.items())
+    got, p = half.model.layers[0].mamba, "model.layers.0.mamba."
+    i = 128  # mamba_expand * hidden_size
+    assert torch.equal(got.in_proj.weight, torch.cat([state[p + "in_proj.weight"][64:128],
+                                                       state[p + "in_proj.weight"][192:]]))
+    assert torch.equal(got.in_proj.bias, torch.cat([state[p + "in_proj.bias"][64:128], state[p + "in_proj.bias"][192:]]))
+    assert torch.equal(got.conv1d.weight, state[p + "conv1d.weight"][i // 2:])
+    assert torch.equal(got.dt_proj.weight, state[p + "dt_proj.weight"][i // 2:])
+    assert torch.equal(got.dt_proj.bias, state[p + "dt_proj.bias"][i // 2:])
+    assert torch.equal(got.A_log, state[p + "A_log"][i // 2:]) and torch.equal(got.D, state[p + "D"][i // 2:])
+    assert torch.equal(got.x_proj.weight, state[p + "x_proj.weight"][:, i // 2:])
+    assert torch.equal(got.dt_layernorm.weight, state[p + "dt_layernorm.weight"])
+    wrong = transformers.JambaConfig(**{**hf.config.to_dict(), "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="'gelu' is not supported"):
+        JambaForCausalLM(wrong, TPGroup(), torch.float32, torch.device("cpu"))
+    wrong = transformers.JambaConfig(**hf.config.to_dict(), quantization_config={"quant_method": "experts_int8"})
+    with pytest.raises(ValueError, match="'experts_int8'-quantized checkpoints are not supported"):
+        JambaForCausalLM(wrong, TPGroup(), torch.float32, torch.device("cpu"))
+
+
+def test_jamba_without_biases_or_experts_matches_transformers(monkeypatch):
+    """The other side of Jamba's switches: no in/out_proj or conv bias, one expert (every layer a
+    gated MLP, as JambaConfig's num_experts=1), attention first (attn_layer_offset 0)."""
+    monkeypatch.setitem(CONFIGS, "jamba_plain", ("JambaConfig", "workers.models.jamba:JambaForCausalLM",
+                                                 dict(num_hidden_layers=3, attn_layer_period=3, attn_layer_offset=0,
+                                                      num_experts=1, mamba_d_state=8, mamba_dt_rank=4,
+                                                      mamba_proj_bias=False, mamba_conv_bias=False,
+                                                      eos_token_id=None, initializer_range=0.1)))
+    hf, ours = build("jamba_plain")
+    assert ours.model.layers[1].mamba.conv1d.bias is None and ours.model.layers[1].mamba.out_proj.bias is None
+    h = Harness(ours, hf.config)
+    prompt = torch.randint(0, 300, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                           attention_mask=torch.ones(1, 30, dtype=torch.long))[0, 30:].tolist()
+    got, _ = h.prefill_logits(prompt)
+    assert (got - ref).abs().max().item() < 1e-3
+    assert h.greedy(prompt, 16) == want

@@ -98,6 +98,11 @@ def test_mamba_configs_that_cannot_be_sharded_are_refused():
         mamba_groups_per_rank(3, 12, 2)
     # Two ranks sharing a group still each hold a whole head range of it.
     MambaMixer2(64, shape, TPGroup(rank=1, world_size=4), torch.float32, "cpu", "model.layers.0.mamba")
+    # Mamba-1 (Jamba): its channels split evenly.
+    from workers.layers.mamba1 import MambaMixer1
+    with pytest.raises(ValueError, match=r"intermediate channels \(128\) is not divisible by the tensor-parallel size 3"):
+        MambaMixer1(64, MambaShape(1, 128, 16, 4), 8, TPGroup(rank=0, world_size=3), torch.float32, "cpu",
+                    "model.layers.0.mamba")
 
 
 def test_only_a_forward_that_reduces_them_defers_the_all_reduces():

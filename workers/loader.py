@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from workers.parallel import TPGroup
 
 from distengine.hf_config import load_hf_config, resolve_dtype, resolve_model_path
+from distengine.model_config import FP8_KV_CACHE_DTYPES
+from workers.kv_scales import kv_scale_names, load_kv_scales
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -149,7 +151,7 @@ def check_weight_shapes(expected: dict[str, tuple[int, ...]], found: dict[str, t
 
 def load_model(path: str | os.PathLike, model_cls: type, tp: TPGroup,
                dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu",
-               max_model_len: int | None = None) -> torch.nn.Module:
+               max_model_len: int | None = None, kv_cache_dtype: str = "auto") -> torch.nn.Module:
     """Build `model_cls` (an nn.Module following `LoadableModel`) for this rank and fill it from
     the checkpoint at `path`.
 
@@ -157,7 +159,8 @@ def load_model(path: str | os.PathLike, model_cls: type, tp: TPGroup,
     it; `text_config(config)` is the language part). Missing shards and wrong shapes are raised
     before any tensor data is read; only the tensors named by `expected_checkpoint_shapes()` are
     read and handed to `load_weights`, which shards each one itself. `max_model_len` sizes the
-    rotary caches (default: the config's max_position_embeddings).
+    rotary caches (default: the config's max_position_embeddings). With an fp8 `kv_cache_dtype`
+    the checkpoint's KV cache scales are read too (`workers.kv_scales`).
     """
     config = load_hf_config(path)
     device = torch.device(device)
@@ -172,12 +175,16 @@ def load_model(path: str | os.PathLike, model_cls: type, tp: TPGroup,
     missing = model.missing_weights(set(loaded))
     if missing:
         raise MissingWeightsError(f"{len(missing)} model parameters got no weight from {path}: {_some(missing)}")
+    # (a tensor the model itself takes is a weight, whatever its name)
+    scales = kv_scale_names(set(found) - set(expected)) if kv_cache_dtype in FP8_KV_CACHE_DTYPES else {}
+    if scales:
+        load_kv_scales(model, iterate_weights(path, names=scales.keys()), scales)
     return model.eval()
 
 
 def get_model(model: str, tp: TPGroup, dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu",
               revision: str | None = None, max_model_len: int | None = None,
-              load_format: str = "auto", seed: int = 0) -> torch.nn.Module:
+              load_format: str = "auto", seed: int = 0, kv_cache_dtype: str = "auto") -> torch.nn.Module:
     """The whole path from an id or folder to a loaded rank shard, in the order that fails
     cheapest first (id, then architecture, then shards and shapes, then data). `load_format`
     "dummy" (vLLM's name) reads no weights: the folder needs only its config.json, and the
@@ -189,7 +196,7 @@ def get_model(model: str, tp: TPGroup, dtype: str | torch.dtype = "auto", device
     model_cls = get_model_class(getattr(load_hf_config(path), "architectures", None))
     if load_format == "dummy":
         return dummy_model(path, model_cls, tp, dtype, device, max_model_len, seed)
-    return load_model(path, model_cls, tp, dtype, device, max_model_len)
+    return load_model(path, model_cls, tp, dtype, device, max_model_len, kv_cache_dtype)
 
 
 def dummy_model(path: str | os.PathLike, model_cls: type, tp: TPGroup, dtype: str | torch.dtype = "auto",

@@ -130,7 +130,8 @@ class ModelRunner:
         self.config, self.plan, self.tp = config, plan, tp
         self.device = device or torch.device(config.device)
         self.model = get_model(config.model, tp, config.dtype, self.device, max_model_len=config.max_model_len,
-                               load_format=config.load_format, seed=config.seed)
+                               load_format=config.load_format, seed=config.seed,
+                               kv_cache_dtype=config.kv_cache_dtype)
         self.dtype = next(self.model.parameters()).dtype
         self.vocab_size = int(self.model.config.get_text_config().vocab_size)
         self.batch = InputBatch(plan, config.max_num_seqs, self.vocab_size, self.device, config.debug_checks)
@@ -161,7 +162,8 @@ class ModelRunner:
                              total_bytes=total, graph_bytes=graphs)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.kv_pool = allocate_kv_cache(self.plan, self.model.cache_layers(), num_blocks, self.dtype, self.device)
+        self.kv_pool = allocate_kv_cache(self.plan, self.model.cache_layers(), num_blocks, self.dtype, self.device,
+                                         self.config.kv_cache_dtype)
         self.num_blocks = num_blocks
         if self.use_graphs:
             self.batch.reset_static()
@@ -171,7 +173,7 @@ class ModelRunner:
     def _with_dummy_cache(self, fn):
         """Run `fn` on a throwaway two-block cache (profiling), then unbind it."""
         layers = self.model.cache_layers()
-        allocate_kv_cache(self.plan, layers, 2, self.dtype, self.device)
+        allocate_kv_cache(self.plan, layers, 2, self.dtype, self.device, self.config.kv_cache_dtype)
         try:
             return fn()
         finally:

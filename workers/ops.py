@@ -15,6 +15,8 @@ from kernels.layernorm import rms_norm, rms_norm_ref
 from kernels.mamba_conv import (causal_conv1d_update, causal_conv1d_update_ref, causal_conv1d_varlen,
                                 causal_conv1d_varlen_ref)
 from kernels.mamba_ssd import ssd_scan_varlen, ssd_scan_varlen_ref
+from kernels.mamba1_scan import (selective_scan_update, selective_scan_update_ref, selective_scan_varlen,
+                                 selective_scan_varlen_ref)
 from kernels.mamba_state_update import selective_state_update, selective_state_update_ref
 from kernels.moe_routing import topk_sigmoid, topk_sigmoid_ref, topk_softmax, topk_softmax_ref
 from kernels.paged_attention import paged_attention
@@ -36,6 +38,8 @@ causal_conv1d_varlen_op = _pick(causal_conv1d_varlen, causal_conv1d_varlen_ref)
 causal_conv1d_update_op = _pick(causal_conv1d_update, causal_conv1d_update_ref)
 ssd_scan_varlen_op = _pick(ssd_scan_varlen, ssd_scan_varlen_ref)
 selective_state_update_op = _pick(selective_state_update, selective_state_update_ref)
+selective_scan_varlen_op = _pick(selective_scan_varlen, selective_scan_varlen_ref)  # Mamba-1
+selective_scan_update_op = _pick(selective_scan_update, selective_scan_update_ref)
 gated_rms_norm_op = _pick(gated_rms_norm, gated_rms_norm_ref)
 gated_delta_varlen_op = _pick(gated_delta_varlen, gated_delta_varlen_ref)
 gated_delta_update_op = _pick(gated_delta_update, gated_delta_update_ref)
@@ -82,6 +86,7 @@ def ungated_act(name: str):
 
 __all__ = ["linear_op", "rms_norm_op", "rotary_op", "store_kv_op", "paged_attention_op", "qk_norm_rope_op",
            "act_and_mul", "ungated_act", "causal_conv1d_varlen_op", "causal_conv1d_update_op", "ssd_scan_varlen_op",
-           "selective_state_update_op", "gated_rms_norm_op", "gated_delta_varlen_op", "gated_delta_update_op",
+           "selective_state_update_op", "selective_scan_varlen_op", "selective_scan_update_op",
+           "gated_rms_norm_op", "gated_delta_varlen_op", "gated_delta_update_op",
            "fused_experts_op", "topk_softmax_op", "topk_sigmoid_op", "swiglu_oai_op",
            "torch"]

@@ -90,7 +90,8 @@ class KVCachePlan:
     baseline: GroupSizeChoice  # vLLM's rule, for comparison
     requested_block_size: int  # the block size asked for (raised when Mamba layers need it)
     layers: tuple[LayerKV, ...] = field(repr=False, default=())
-    dtype_bytes: int = 2
+    dtype_bytes: int = 2  # an attention K/V element's (1: an fp8 KV cache)
+    state_dtype_bytes: int = 0  # a Mamba state element's where it differs (ModelKVConfig's)
     state_pages: int = 1  # pages one Mamba state spans
     mamba_checkpoint_interval: int | None = None  # as asked (None: the default)
     layout: str = EQUAL  # EQUAL (one per-token size), PACKED, PADDED, or VLLM (only to compare)
@@ -128,7 +129,7 @@ class KVCachePlan:
             if layer.kv_sharing_target:
                 continue
             if layer.kind == MAMBA:
-                total += layer.state_bytes(self.tp_size, self.dtype_bytes)
+                total += layer.state_bytes(self.tp_size, self.state_dtype_bytes or self.dtype_bytes)
             else:
                 total += cdiv(num_tokens, self.block_size) * self.block_size * \
                     layer.bytes_per_token(self.tp_size, self.dtype_bytes)
@@ -139,7 +140,8 @@ class KVCachePlan:
             "model": self.model, "tp_size": self.tp_size, "block_size": self.block_size,
             "page_size_bytes": self.page_size_bytes, "num_buffers": self.num_slots,
             "block_bytes": self.block_bytes, "max_model_len": self.max_model_len,
-            "state_pages": self.state_pages, "layout": self.layout,
+            "state_pages": self.state_pages, "layout": self.layout, "kv_dtype_bytes": self.dtype_bytes,
+            "state_dtype_bytes": self.state_dtype_bytes or self.dtype_bytes,
             "groups": [{"group_id": g.group_id, "type": g.spec.kind, "spec": g.spec.describe(),
                         "layers": list(g.layers), "padding": g.padding, "layers_per_slot": g.per_slot,
                         "sub_page_bytes": g.spec.page_size_bytes}
@@ -198,7 +200,7 @@ def _sizes(model: ModelKVConfig, tp_size: int) -> tuple[list[LayerKV], list[Laye
     if len(bpts) > 1 and mamba:
         raise ConfigError(f"attention layers keep different bytes per token ({bpts}) beside Mamba layers; "
                           f"pages of different sizes are planned for attention-only models")
-    states = sorted({layer.state_bytes(tp_size, model.dtype_bytes) for layer in mamba})
+    states = sorted({layer.state_bytes(tp_size, model.state_bytes_per_element) for layer in mamba})
     if len(states) > 1:
         raise ConfigError(f"Mamba layers keep different state sizes ({states})")
     return attn, mamba, (bpts or [0])[-1], (states or [0])[0]
@@ -463,12 +465,13 @@ def make_plan(model: ModelKVConfig, tp_size: int = 1, block_size: int = 16, max_
                        layer_slots=layer_slots, shared_layers=shared, max_model_len=max_model_len,
                        target_len=target_len, choice=choice, baseline=baseline,
                        requested_block_size=block_size, layers=model.layers, dtype_bytes=model.dtype_bytes,
+                       state_dtype_bytes=model.state_dtype_bytes,
                        state_pages=k, mamba_checkpoint_interval=mamba_checkpoint_interval,
                        layout=chosen if mixed else EQUAL)
 
 
 def _model_of(plan: KVCachePlan) -> ModelKVConfig:
-    return ModelKVConfig(plan.model, "", plan.layers, plan.dtype_bytes, plan.max_model_len)
+    return ModelKVConfig(plan.model, "", plan.layers, plan.dtype_bytes, plan.max_model_len, plan.state_dtype_bytes)
 
 
 def plan_with_group_size(plan: KVCachePlan, group_size: int, state_pages: int | None = None) -> KVCachePlan:

@@ -17,7 +17,8 @@ class KVCacheTooSmallError(ValueError):
 
 def engine_plan(config: EngineConfig, text_config: dict) -> KVCachePlan:
     """The plan of a placed config (its dtype resolved) for the model's text config."""
-    return make_plan(parse_model_config(text_config, kv_cache_dtype=config.dtype), config.tensor_parallel_size,
+    model = parse_model_config(text_config, kv_cache_dtype=config.kv_cache_dtype, dtype=config.dtype)
+    return make_plan(model, config.tensor_parallel_size,
                      config.block_size, config.max_model_len,
                      mamba_checkpoint_interval=config.mamba_checkpoint_interval)
 

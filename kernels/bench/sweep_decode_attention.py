@@ -2,9 +2,11 @@
 with `--heads gemma4`, Gemma-4-31B's full layers (D=512, 32 query / 4 KV heads): the shipped
 config against a sweep of tiles, warps, stages and (for small batches) splits; decode as KV bytes
 read over time against the copy bandwidth, prefill (`--prefill`) as attention FLOP/s; same run.
+`--kv-cache-dtype fp8`: the cache in e4m3 with its scales (decode's bytes: 1 an element).
 Prints the best configs per case.
 
-    python -m kernels.bench.sweep_decode_attention [--heads gemma4] [--prefill]
+    python -m kernels.bench.sweep_decode_attention [--heads gemma4] [--prefill] [--kv-cache-dtype fp8]
+        [--case BATCH CONTEXT WINDOW ...]
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import math
 import torch
 from triton.testing import do_bench
 
+from kernels.kv_store import FP8_DTYPE
 from kernels.paged_attention import _num_sms, choose_num_splits, default_config, paged_attention
 
 HEADS = {"gemma3": (16, 8, 256), "gemma4": (32, 4, 512)}  # query heads, KV heads, head size
@@ -22,6 +25,7 @@ HQ, HKV, D = HEADS["gemma3"]
 BS = 16
 CASES = [(128, 600, 0), (128, 600, 1024), (16, 16384, 0), (16, 16384, 1024), (1, 600, 0), (1, 600, 1024)]
 PREFILL_CASES = [(1, 2048, 0), (1, 8192, 0), (4, 2048, 1024)]  # sequences, tokens each, window
+SCALES: dict = {}  # an fp8 cache's k_scale and v_scale (`--kv-cache-dtype fp8`)
 # Gemma 4's head-512 layers are its full ones: no window cases.
 
 
@@ -29,6 +33,8 @@ def paged(batch: int, length: int, g: torch.Generator):
     per = math.ceil(length / BS)
     n = batch * per + 1
     kv = torch.randn(n, 2, BS, HKV, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    if SCALES:
+        kv = (kv * 16).to(FP8_DTYPE)  # read back with scales 1/16
     table = (torch.randperm(n - 1, device="cuda", generator=g) + 1).view(batch, per).to(torch.int32)
     q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.bfloat16, generator=g)
     qsl = torch.arange(batch + 1, device="cuda", dtype=torch.int32)
@@ -52,7 +58,8 @@ def prefill(num_seqs: int, length: int, window: int, g: torch.Generator) -> None
     flops = 4 * num_seqs * HQ * D * keys
 
     def call(cfg=None):
-        return paged_attention(q, kv, table, qsl, lens, length, length, D ** -0.5, sliding_window=window, config=cfg)
+        return paged_attention(q, kv, table, qsl, lens, length, length, D ** -0.5, sliding_window=window, config=cfg,
+                               **SCALES)
     ref = call()
     base = do_bench(call, warmup=5, rep=40, return_mode="median")
     shipped = default_config(length, D, HQ // HKV, BS, window, length)
@@ -77,8 +84,13 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--heads", choices=sorted(HEADS), default="gemma3")
     p.add_argument("--prefill", action="store_true", help="sweep prefill tiles instead of decode")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto", help="auto: bf16")
+    p.add_argument("--case", type=int, nargs=3, action="append", metavar=("BATCH", "CONTEXT", "WINDOW"),
+                   help="decode cases to run instead of the built-in ones (repeatable; window 0: none)")
     args = p.parse_args()
     HQ, HKV, D = HEADS[args.heads]
+    if args.kv_cache_dtype == "fp8":
+        SCALES.update(k_scale=torch.full((1,), 1 / 16, device="cuda"), v_scale=torch.full((1,), 1 / 16, device="cuda"))
     g = torch.Generator(device="cuda").manual_seed(0)
     if args.prefill:
         for case in PREFILL_CASES:
@@ -87,15 +99,16 @@ def main() -> int:
         return 0
     bw = copy_bandwidth()
     print(f"copy {bw / 1e12:.2f} TB/s; {_num_sms(torch.device('cuda'))} SMs; heads {HQ}/{HKV} x {D}")
-    for batch, length, window in CASES:
+    for batch, length, window in args.case or CASES:
         if args.heads == "gemma4" and window:
             continue
         q, kv, table, qsl, lens = paged(batch, length, g)
         read = min(length, window) if window else length
-        nbytes = batch * read * HKV * D * 2 * 2
-        ref = paged_attention(q, kv, table, qsl, lens, 1, length, D ** -0.5, sliding_window=window)
+        nbytes = batch * read * HKV * D * 2 * kv.element_size()
+        ref = paged_attention(q, kv, table, qsl, lens, 1, length, D ** -0.5, sliding_window=window, **SCALES)
         base_cfg = default_config(1, D, HQ // HKV, BS, window, length)
-        base_splits = choose_num_splits(batch, HKV, length, _num_sms(q.device), base_cfg["TILE_N"])
+        base_splits = choose_num_splits(batch, HKV, length, _num_sms(q.device), base_cfg["TILE_N"],
+                                        max_splits=8 if D > 256 else 32)
         results = []
         if batch == 1:  # latency-bound: only the split count matters
             grid = [(base_cfg["TILE_N"], base_cfg["num_warps"], base_cfg["num_stages"], sp) for sp in (1, 2, 4, 8, 16)]
@@ -105,15 +118,17 @@ def main() -> int:
             cfg = {"BLOCK_M": base_cfg["BLOCK_M"], "TILE_N": tile, "num_warps": warps, "num_stages": stages}
             try:
                 out = paged_attention(q, kv, table, qsl, lens, 1, length, D ** -0.5, sliding_window=window,
-                                      config=cfg, num_splits=splits)
+                                      config=cfg, num_splits=splits, **SCALES)
                 err = float((out.float() - ref.float()).abs().max())
                 ms = do_bench(lambda: paged_attention(q, kv, table, qsl, lens, 1, length, D ** -0.5,
-                                                      sliding_window=window, config=cfg, num_splits=splits),
+                                                      sliding_window=window, config=cfg, num_splits=splits,
+                                                      **SCALES),
                               warmup=10, rep=60, return_mode="median")
                 results.append((ms, tile, warps, stages, splits, err))
             except Exception as e:  # noqa: BLE001 - out of shared memory and the like
                 results.append((float("inf"), tile, warps, stages, splits, repr(e)[:40]))
-        base = do_bench(lambda: paged_attention(q, kv, table, qsl, lens, 1, length, D ** -0.5, sliding_window=window),
+        base = do_bench(lambda: paged_attention(q, kv, table, qsl, lens, 1, length, D ** -0.5, sliding_window=window,
+                                                **SCALES),
                         warmup=10, rep=60, return_mode="median")
         results.sort()
         print(f"B={batch} L={length} W={window}: shipped {base * 1e3:.1f} us ({nbytes / base / 1e9:.0f} GB/s, "

@@ -20,6 +20,7 @@ import os
 import time
 from dataclasses import dataclass
 
+from distengine.model_config import KV_CACHE_DTYPES
 from kernels.bench.roofline import copy_bandwidth, matmul_rate, synchronize
 
 _GEMMA3 = dict(max_position_embeddings=32768, sliding_window_pattern=6)
@@ -66,6 +67,11 @@ SHAPES = {
     # models of the published checkpoints; 26B-A4B adds 128 experts (8 per token) beside each MLP.
     "gemma-4-31b": ("gemma4_text", ("gemma-4-31b", {})),
     "gemma-4-26b-a4b": ("gemma4_text", ("gemma-4-26b-a4b", {})),
+    # Jamba-1.5-Mini: 28 Mamba-1 and 4 attention (GQA, no RoPE) layers, 16 experts (2 per token)
+    # on every other layer and a gated MLP on the others; ~52B parameters, ~104 GB in bf16: one
+    # H200 with --load-format dummy (its random checkpoint would not fit the disk), an H100 with
+    # --num-layers 16 (~52 GB).
+    "jamba-mini": ("jamba", ("jamba-mini", {})),
     # For tests on CPU.
     "tiny": ("gemma3_text", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
                                  num_key_value_heads=2, head_dim=16, sliding_window=16, vocab_size=512, **_GEMMA3)),
@@ -158,6 +164,9 @@ def add_model_arguments(p) -> None:
                    help="tokens per step (default: 8192 on GPUs of 70 GiB or more, else 2048; at least "
                         "max-model-len up to 8192)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="the attention K/V's dtype: auto (the model's) or fp8 / fp8_e4m3 (e4m3 with per-layer "
+                        "scales) (default: %(default)s)")
     p.add_argument("--no-enable-prefix-caching", action="store_true", help="no prefix caching")
     p.add_argument("--mamba-checkpoint-interval", type=int, default=None,
                    help="Mamba hybrids: also keep the state every N tokens for prefix hits (default: only "
@@ -230,11 +239,12 @@ class Roofline:
     weight_bytes: int  # one rank's, routed experts not included
     layers: tuple      # the plan's LayerKV
     tp: int
-    dtype_bytes: int
+    dtype_bytes: int   # the model's (weights, Mamba states)
     bandwidth: float   # bytes/s, one GPU
     matmul: float      # FLOP/s, one GPU
     num_params: int    # the whole model's that a token passes through (its k experts, not all)
     experts: tuple = ()  # (experts, experts per token, one rank's bytes of them) per MoE layer
+    kv_dtype_bytes: int = 0  # an attention K/V element as the cache stores it (1: fp8); 0: dtype_bytes
 
     def expert_bytes(self, batch: int) -> float:
         """Routed-expert bytes a step of `batch` tokens reads, its experts chosen uniformly."""
@@ -242,7 +252,8 @@ class Roofline:
 
     def kv_bytes(self, context: int) -> int:
         """Cache bytes one rank moves in a decode step of one sequence of `context` tokens, every
-        layer: attention K/V read; a Mamba layer's state read and written back."""
+        layer: attention K/V read (as stored: 1 byte an element in an fp8 cache); a Mamba layer's
+        state read and written back."""
         total = 0
         for layer in self.layers:
             if layer.kind == "mamba":
@@ -253,7 +264,7 @@ class Roofline:
                 tokens = min(context, layer.window)
             if layer.chunk:
                 tokens = min(context, layer.chunk)
-            total += tokens * layer.bytes_per_token(self.tp, self.dtype_bytes)
+            total += tokens * layer.bytes_per_token(self.tp, self.kv_dtype_bytes or self.dtype_bytes)
         return total
 
     def decode_step_s(self, contexts: list[int]) -> float:
@@ -298,7 +309,7 @@ def roofline_of(engine, bandwidth: float | None = None, matmul: float | None = N
         num_params -= hf.vocab_size * hf.hidden_size
         weight_bytes -= math.ceil(hf.vocab_size / plan.tp_size) * hf.hidden_size * dtype_bytes
     return Roofline(weight_bytes, plan.layers, plan.tp_size, dtype_bytes, bandwidth, matmul, int(num_params),
-                    experts)
+                    experts, kv_dtype_bytes=plan.dtype_bytes)
 
 
 def routing_note(rf: Roofline) -> str | None:
@@ -314,7 +325,8 @@ def engine_summary(info) -> dict:
     """What a benchmark's JSON records of the engine it measured (an `EngineInfo`)."""
     cfg, plan = info.config, info.plan
     return dict(device=info.devices[0].device, device_name=info.devices[0].name, tp_size=plan.tp_size,
-                dtype=cfg.dtype, weight_bytes=info.memory[0].weight_bytes, block_size=plan.block_size,
+                dtype=cfg.dtype, kv_cache_dtype=cfg.kv_cache_dtype, weight_bytes=info.memory[0].weight_bytes,
+                block_size=plan.block_size,
                 block_bytes=plan.block_bytes, num_blocks=info.num_blocks, num_groups=len(plan.groups),
                 max_model_len=plan.max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
                 cuda_graphs=list(cfg.cuda_graph_sizes) if info.uses_cuda_graphs else [],
@@ -381,7 +393,7 @@ def engine_options(args, max_model_len: int) -> dict:
     return dict(tensor_parallel_size=args.tensor_parallel_size, device=args.device, dtype=args.dtype,
                 max_model_len=args.max_model_len or max_model_len, gpu_memory_utilization=args.gpu_memory_utilization,
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                enforce_eager=args.enforce_eager,
+                enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
                 async_scheduling=not args.no_async_scheduling, seed=args.seed, load_format=args.load_format,
                 disable_custom_all_reduce=not args.custom_all_reduce,
                 enable_prefix_caching=not args.no_enable_prefix_caching,

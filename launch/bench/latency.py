@@ -84,7 +84,8 @@ def run(args) -> int:
     print(f"\n{device}, TP={args.tensor_parallel_size}; model {model}; in {args.input_len} / out {args.output_len}"
           f"{f' x n={args.n}' if args.n > 1 else ''}; "
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 product {matmul / 1e12:.0f} TFLOP/s (same run); "
-          f"weights per rank {info['weight_bytes'] / 1e9:.2f} GB; CUDA graphs: {bool(info['cuda_graphs'])}")
+          f"weights per rank {info['weight_bytes'] / 1e9:.2f} GB; KV cache {info['kv_cache_dtype']} "
+          f"({rf.kv_dtype_bytes} B an element, as the roofline counts it); CUDA graphs: {bool(info['cuda_graphs'])}")
     rows = [("batch / figure", "ours", "roofline", "ours/roofline")]
     for r in results:
         b = r["batch_size"]

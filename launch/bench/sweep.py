@@ -22,7 +22,7 @@ import os
 KINDS = ("latency", "throughput", "serve")
 ENGINE = {"tensor_parallel_size", "dtype", "max_model_len", "gpu_memory_utilization", "max_num_seqs",
           "max_num_batched_tokens", "enforce_eager", "enable_prefix_caching", "load_format", "seed",
-          "custom_all_reduce", "async_scheduling"}
+          "custom_all_reduce", "async_scheduling", "kv_cache_dtype"}
 PARAMS = {"latency": ENGINE | {"batch_size", "input_len", "output_len", "num_iters", "num_iters_warmup"},
           "throughput": ENGINE | {"num_prompts", "input_len", "output_len", "dataset_path"},
           "serve": ENGINE | {"num_prompts", "input_len", "output_len", "prefix_len", "request_rate", "max_concurrency",

@@ -153,7 +153,7 @@ def _state_dtypes(layer: LayerKV, dtype_bytes: int) -> tuple[int, int]:
 def _state_bytes(layer: LayerKV, plan: KVCachePlan) -> int:
     """A state's bytes as vLLM counts them: its arrays back to back, no alignment between them."""
     conv, ssm = layer.mamba.state_shapes(plan.tp_size)
-    conv_bytes, ssm_bytes = _state_dtypes(layer, plan.dtype_bytes)
+    conv_bytes, ssm_bytes = _state_dtypes(layer, plan.state_dtype_bytes or plan.dtype_bytes)
     return math.prod(conv) * conv_bytes + math.prod(ssm) * ssm_bytes
 
 
@@ -207,7 +207,8 @@ def vllm_kv_cache_config(plan: KVCachePlan, num_blocks: int, v: SimpleNamespace 
         if layer.kind == MAMBA:
             assert hybrid is not None
             conv, ssm = layer.mamba.state_shapes(plan.tp_size)
-            dtypes = tuple(getattr(v.torch, _DTYPES[n]) for n in _state_dtypes(layer, plan.dtype_bytes))
+            state_dtypes = _state_dtypes(layer, plan.state_dtype_bytes or plan.dtype_bytes)
+            dtypes = tuple(getattr(v.torch, _DTYPES[n]) for n in state_dtypes)
             exports = hybrid.checkpoint_alignment is not None
             specs[layer.name] = v.MambaSpec(
                 shapes=(conv, ssm), dtypes=dtypes, block_size=block_size,

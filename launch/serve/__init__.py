@@ -30,6 +30,8 @@ import signal
 import sys
 import threading
 
+from distengine.model_config import KV_CACHE_DTYPES
+
 
 def add_arguments(p) -> None:
     p.add_argument("model", help="a model folder or a Hugging Face hub id")
@@ -53,6 +55,9 @@ def add_arguments(p) -> None:
                    help="Mamba hybrids: also keep the state every N tokens for prefix hits (default: only "
                         "at each step's last block end and where prompts diverge; 1: every block)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="the attention K/V's dtype: auto (the model's) or fp8 / fp8_e4m3 (e4m3 with per-layer "
+                        "scales, twice the tokens)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"], help="model dtype")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="where the workers run")
     p.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: $RAY_ADDRESS, else local)")
@@ -132,7 +137,8 @@ def run(args) -> int:
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           enable_prefix_caching=not args.no_enable_prefix_caching, enforce_eager=args.enforce_eager,
                           mamba_checkpoint_interval=args.mamba_checkpoint_interval,
-                          dtype=args.dtype, device=args.device, ray_address=args.ray_address,
+                          dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, device=args.device,
+                          ray_address=args.ray_address,
                           load_format=args.load_format, structured_outputs_backend=args.structured_outputs_backend)
     except BaseException:
         sock.close()

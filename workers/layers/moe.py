@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from kernels.fused_moe import compile_align_variants, moe_config, tokens_per_tile_band
-from kernels.moe_routing import check_groups, topk_sigmoid_grouped, topk_softmax_ref
+from kernels.moe_routing import check_groups, topk_sigmoid_grouped
 from workers.ops import act_and_mul, fused_experts_op, linear_op, topk_sigmoid_op, topk_softmax_op, ungated_act
 from workers.parallel import TPGroup, split_evenly
 
@@ -84,8 +84,9 @@ class FusedMoE(nn.Module):
     `top_k` largest and weighs those experts by the softmax over the k (Granite's and gpt-oss's
     rule, not a softmax over all experts; the same as Qwen's softmax over all experts with the
     top k renormalised, `norm_topk_prob`), or with `renormalize` False by their softmax over all
-    experts (Qwen3-Next without `norm_topk_prob`), and returns this rank's partial sum (all-reduce
-    it): the down bias is added on rank 0 only, so that the sum holds it once. `activation` is a
+    experts (Jamba; Qwen3-Next without `norm_topk_prob`), both in one launch, and returns this
+    rank's partial sum (all-reduce it): the down bias is added on rank 0 only, so that the sum
+    holds it once. `activation` is a
     name (`workers.ops.act_and_mul`) or a function [R, 2I] -> [R, I].
 
     The weights load stacked (`weight_loader` with no shard: the whole [E, 2I, H] or [E, H, I]
@@ -238,10 +239,9 @@ class FusedMoE(nn.Module):
                                                 self.renormalize, self.scale, x.dtype, self.shared_slots)
         elif self.scoring == "sigmoid":
             weights, ids = topk_sigmoid_op(router_logits, self.top_k, x.dtype, self.shared_slots)
-        elif self.renormalize:
-            weights, ids = topk_softmax_op(router_logits, self.top_k, x.dtype, self.shared_slots)
-        else:  # the softmax over all experts: a rare variant, through torch
-            weights, ids = topk_softmax_ref(router_logits, self.top_k, x.dtype, self.shared_slots, renormalize=False)
+        else:
+            weights, ids = topk_softmax_op(router_logits, self.top_k, x.dtype, self.shared_slots,
+                                           renormalize=self.renormalize)
         return self.run_experts(x, weights, ids)
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

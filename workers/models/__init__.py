@@ -25,6 +25,7 @@ MODEL_REGISTRY: dict[str, str] = {
     "BambaForCausalLM": "workers.models.bamba:BambaForCausalLM",
     "NemotronHForCausalLM": "workers.models.nemotron_h:NemotronHForCausalLM",
     "FalconH1ForCausalLM": "workers.models.falcon_h1:FalconH1ForCausalLM",
+    "JambaForCausalLM": "workers.models.jamba:JambaForCausalLM",
     "GraniteMoeHybridForCausalLM": "workers.models.granitemoehybrid:GraniteMoeHybridForCausalLM",
     "GptOssForCausalLM": "workers.models.gpt_oss:GptOssForCausalLM",
     "Llama4ForCausalLM": "workers.models.llama4:Llama4ForCausalLM",

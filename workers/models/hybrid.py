@@ -43,10 +43,10 @@ def multiplier(config, name: str) -> float:
 
 def mamba_shape(config, dtype: torch.dtype) -> MambaShape | DeltaNetShape:
     """The state shape (Mamba's, or the Gated DeltaNet's) the KV cache plan reads from this config
-    (with the cache's dtype, which decides whether a separate SSM state dtype applies)."""
+    (with the model's dtype, the states', which decides whether a separate SSM state dtype applies)."""
     d = config.to_dict()
     d.setdefault("max_position_embeddings", 1 << 20)
-    layers = parse_model_config(d, kv_cache_dtype=DTYPE_NAMES.get(dtype, "bfloat16")).layers
+    layers = parse_model_config(d, dtype=DTYPE_NAMES.get(dtype, "bfloat16")).layers
     return next(layer.mamba for layer in layers if layer.mamba is not None)
 
 
