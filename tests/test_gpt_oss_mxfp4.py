@@ -186,6 +186,13 @@ def test_dummy_weights_in_the_stored_format_and_the_roofline_counts_their_bytes(
     assert rf.num_params == rf.weight_bytes // rf.dtype_bytes + 2 * (weights + biases // rf.dtype_bytes) * 2 // 8
     with pytest.raises(ValueError, match="run it with --load-format dummy"):
         build_random_model(str(tmp_path / "w"), "tiny-gpt-oss-mxfp4", "cpu")
+    # The dummy router spreads the choice: 16 tokens' hidden states (normed by dummy weights) pick
+    # most of the 8 experts (the router's bias alone would give every token the same 2).
+    from workers.loader import dummy_model
+    model = dummy_model(str(folder), GptOssForCausalLM, TPGroup(), "float32", "cpu")
+    layer = model.model.layers[0]
+    hidden = layer.post_attention_layernorm(torch.randn(16, 64, generator=torch.Generator().manual_seed(0)))
+    assert layer.mlp.router(hidden).topk(2, dim=-1).indices.unique().numel() >= 6
 
 
 @pytest.mark.gpu

@@ -71,6 +71,17 @@ class GptOssMoE(nn.Module):
                                     device, f"{prefix}.experts", bias=True)
         self.tp = tp
 
+    def dummy_weights(self, generator: torch.Generator) -> None:
+        """`--load-format dummy`: router weights that spread the choice. With every weight uniform
+        in +-1e-3 a normed hidden state's entries are ~1e-3 / sqrt(3), its logits ~1e-3 sqrt(H) / 3
+        times the router's scale, and the router's bias (+-1e-3) would pick the same experts for
+        every token: a batch would read a few experts where a real model (and the roofline's
+        uniform routing) reads E (1 - (1 - k/E)^B). Weights uniform in +-3000 / sqrt(H) and no bias
+        give logits of standard deviation ~1 that differ from token to token."""
+        bound = 3000.0 / self.router.hidden ** 0.5
+        self.router.weight.data.uniform_(-bound, bound, generator=generator)
+        self.router.bias.data.zero_()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.experts(x, self.router(x)))
 
