@@ -61,6 +61,10 @@ class EngineConfig:
     cuda_graph_sizes: tuple[int, ...] = field(default=())  # resolved from max_num_seqs
     debug_checks: bool = False         # check the workers' block tables against the invariant
     load_format: str = "auto"          # "auto": the checkpoint; "dummy": random weights (benchmarks)
+    # vLLM's name. None: the checkpoint's quantization_config (FP8 served, the rest refused by name);
+    # "fp8": FP8 linear weights, from an FP8 checkpoint or, with load_format "dummy", random ones
+    # in 128 x 128 blocks (distengine.quantization).
+    quantization: str | None = None
     # vLLM's name: "ray" runs the workers as Ray actors even at TP=1; None: Ray only when needed.
     distributed_executor_backend: str | None = None
     # vLLM's name. False: the small all-reduces of TP>1 on GPUs go over NVLink peer-to-peer
@@ -78,6 +82,7 @@ class EngineConfig:
         """Checks every option (ValueError / TypeError naming it) and resolves the derived ones."""
         from distengine.hf_config import read_model_config, resolve_dtype
         from distengine.model_config import config_positions, max_positions
+        from distengine.quantization import resolve_quantization
 
         known = {f for f in cls.__dataclass_fields__}
         unknown = sorted(set(options) - known)
@@ -103,6 +108,7 @@ class EngineConfig:
         hf_config = read_model_config(cfg.model)
         resolve_dtype(hf_config, cfg.dtype, "cpu")  # a dtype we cannot serve is refused now, not on a worker
         hf = hf_config.to_dict()
+        resolve_quantization(hf, cfg.quantization, cfg.load_format)  # likewise a quantization
         limit, source = max_positions(hf)
         max_len = cfg.max_model_len or min(limit, config_positions(hf)[0])
         if max_len > limit:

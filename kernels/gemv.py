@@ -26,29 +26,43 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.fp8 import check_fp8_weight, dequantize_fp8_ref
 from kernels.paged_attention import _interpreter_bf16
 from kernels.pdl import pdl_args, pdl_wait
 
-__all__ = ["gemv", "gemv_ref", "gemv_config", "skinny_gemm", "skinny_gemm_ref", "skinny_config", "SKINNY_MAX_ROWS"]
+__all__ = ["gemv", "gemv_ref", "gemv_config", "skinny_gemm", "skinny_gemm_ref", "skinny_config", "SKINNY_MAX_ROWS",
+           "FP8_SKINNY_MAX_ROWS"]
+
+
+# FP8 weights' scales (kernels.fp8): none, one per output row, one per (BN_Q x BK_Q) block.
+SCALE_NONE, SCALE_ROW, SCALE_BLOCK = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, s_ptr, N, K, stride_wn, stride_sn, BN_Q, BK_Q,
+                 HAS_BIAS: tl.constexpr, SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr):
     pdl_wait(PDL)
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < N
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    # A program's rows lie in one scale block (BN_Q is a multiple of BLOCK_N): its scales vary
+    # along K only, and scale x rather than the wider weight tile.
+    s_row = s_ptr + (pid * BLOCK_N // BN_Q) * stride_sn
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k in range(0, K, BLOCK_K):
         kk = k + rk
         k_ok = kk < K
         w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_ptr + kk, mask=k_ok, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+        if SCALE == SCALE_BLOCK:
+            x *= tl.load(s_row + kk // BK_Q, mask=k_ok, other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, 1)
+    if SCALE == SCALE_ROW:
+        y *= tl.load(s_ptr + rn, mask=n_ok, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_ok)
@@ -65,7 +79,8 @@ def gemv_config(n: int, k: int) -> dict:
     return {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4, "num_stages": 1}
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int = 1) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int = 1,
+           scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> None:
     if max_rows == 1 and (x.dim() != 2 or x.shape[0] != 1):
         raise ValueError(f"gemv takes one row x [1, K], got {tuple(x.shape)}")
     if x.dim() != 2 or not 1 <= x.shape[0] <= max_rows:
@@ -74,15 +89,36 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, max
         raise ValueError(f"weight must be [N, {x.shape[1]}], got {tuple(weight.shape)}")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
-    if x.dtype != weight.dtype or (bias is not None and bias.dtype != x.dtype):
+    if scale is not None:
+        check_fp8_weight(weight, scale, block)
+    elif x.dtype != weight.dtype:
         raise TypeError(f"x, weight and bias need one dtype, got {x.dtype}, {weight.dtype}, "
                         f"{None if bias is None else bias.dtype}")
+    if bias is not None and bias.dtype != x.dtype:
+        raise TypeError(f"x, weight and bias need one dtype, got {x.dtype}, {weight.dtype}, {bias.dtype}")
+
+
+def _scale_args(weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None,
+                block_n: int, block_k: int | None = None) -> dict:
+    """The kernels' scale arguments; a block-scaled weight needs each program's rows (and, for
+    `skinny_gemm`, each K step) inside one scale block."""
+    if scale is None:
+        return dict(s_ptr=weight, stride_sn=0, BN_Q=1, BK_Q=1, SCALE=SCALE_NONE)
+    if block is None:
+        return dict(s_ptr=scale, stride_sn=0, BN_Q=1, BK_Q=1, SCALE=SCALE_ROW)
+    if block[0] % block_n or (block_k is not None and block[1] % block_k):
+        raise ValueError(f"scale blocks {block} must be whole multiples of the tile ({block_n} rows"
+                         f"{'' if block_k is None else f', {block_k} keys'})")
+    return dict(s_ptr=scale, stride_sn=scale.stride(0), BN_Q=block[0], BK_Q=block[1], SCALE=SCALE_BLOCK)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
-    """x[1, K] @ weight[N, K]^T (+ bias[N]) -> `out` or a new [1, N] tensor, x's dtype (fp32 sums)."""
-    _check(x, weight, bias)
+         out: torch.Tensor | None = None, config: dict | None = None,
+         weight_scale: torch.Tensor | None = None, block_size: tuple[int, int] | None = None) -> torch.Tensor:
+    """x[1, K] @ weight[N, K]^T (+ bias[N]) -> `out` or a new [1, N] tensor, x's dtype (fp32 sums).
+    An FP8 weight comes with its fp32 `weight_scale`: [N] (one per row) or, with `block_size`
+    (bn, bk), [ceil(N/bn), ceil(K/bk)]; it is dequantized in registers (kernels.fp8)."""
+    _check(x, weight, bias, scale=weight_scale, block=block_size)
     n, k = weight.shape
     if out is None:
         out = torch.empty((1, n), dtype=x.dtype, device=x.device)
@@ -98,43 +134,56 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         weight = weight.contiguous()
     cfg = config or gemv_config(n, k)
     _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-        x, weight, bias if bias is not None else x, out, n, k, weight.stride(0), HAS_BIAS=bias is not None,
+        x, weight, bias if bias is not None else x, out, N=n, K=k, stride_wn=weight.stride(0),
+        **_scale_args(weight, weight_scale, block_size, cfg["BLOCK_N"]), HAS_BIAS=bias is not None,
         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl_args(x))
     return out
 
 
-def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+             weight_scale: torch.Tensor | None = None, block_size: tuple[int, int] | None = None) -> torch.Tensor:
     """The same product in fp32 (fp64 for fp64 inputs), rounded once to x's dtype."""
-    _check(x, weight, bias)
-    return _linear_ref(x, weight, bias)
+    _check(x, weight, bias, scale=weight_scale, block=block_size)
+    return _linear_ref(x, weight, bias, weight_scale, block_size)
 
 
-def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    weight_scale: torch.Tensor | None = None,
+                    block_size: tuple[int, int] | None = None) -> torch.Tensor:
     """`skinny_gemm`'s product in fp32 (fp64 for fp64 inputs), rounded once to x's dtype."""
-    _check(x, weight, bias, SKINNY_MAX_ROWS)
-    return _linear_ref(x, weight, bias)
+    _check(x, weight, bias, _max_rows(weight_scale), scale=weight_scale, block=block_size)
+    return _linear_ref(x, weight, bias, weight_scale, block_size)
 
 
-def _linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    y = F.linear(x.to(acc), weight.to(acc), None if bias is None else bias.to(acc))
+    w = weight.to(acc) if scale is None else dequantize_fp8_ref(weight, scale, block, acc)
+    y = F.linear(x.to(acc), w, None if bias is None else bias.to(acc))
     return y.to(x.dtype)
 
 
 SKINNY_MAX_ROWS = 32  # the tiles below were timed up to 32 rows; F.linear beyond
+# FP8 weights: up to 128 rows here, where the alternative (dequantize, then cuBLAS) moves five
+# bytes an element instead of one (not timed yet: `kernels.bench.fp8_gemv --rows 64 128`).
+FP8_SKINNY_MAX_ROWS = 128
+
+
+def _max_rows(scale: torch.Tensor | None) -> int:
+    return SKINNY_MAX_ROWS if scale is None else FP8_SKINNY_MAX_ROWS
 
 
 def _skinny_block_m(rows: int) -> int:
-    """The rows' tile: tl.dot needs 16 at least; two sizes keep the compiled variants few."""
-    return 16 if rows <= 16 else 32
+    """The rows' tile: tl.dot needs 16 at least; few sizes keep the compiled variants few."""
+    return 16 if rows <= 16 else 32 if rows <= 32 else 64 if rows <= 64 else 128
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                   HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, SWAP: tl.constexpr, DOT_F32: tl.constexpr,
-                   PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   PDL: tl.constexpr):
+def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, s_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_sn, BN_Q, BK_Q,
+                   HAS_BIAS: tl.constexpr, SCALE: tl.constexpr, EVEN: tl.constexpr, SWAP: tl.constexpr,
+                   DOT_F32: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
@@ -143,6 +192,9 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, st
     m_ok, n_ok = rm < M, rn < N
     x_rows = x_ptr + rm[:, None] * stride_xm
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    # Block scales: the program's rows and each K step lie in one block, whose scale multiplies
+    # that step's product (FP8 values become x's dtype exactly, so the product is unchanged).
+    s_row = s_ptr + (pid * BLOCK_N // BN_Q) * stride_sn
     if SWAP:
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     else:
@@ -156,14 +208,24 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, st
             k_ok = kk < K
             x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if SCALE != SCALE_NONE:
+            w = w.to(x_ptr.dtype.element_ty)
         if DOT_F32:
             x, w = x.to(tl.float32), w.to(tl.float32)
-        if SWAP:
+        if SCALE == SCALE_BLOCK:
+            s = tl.load(s_row + k // BK_Q)
+            if SWAP:
+                acc += tl.dot(w, tl.trans(x), input_precision=PRECISION) * s
+            else:
+                acc += tl.dot(x, tl.trans(w), input_precision=PRECISION) * s
+        elif SWAP:
             acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
         else:
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
     if SWAP:
         acc = tl.trans(acc)
+    if SCALE == SCALE_ROW:
+        acc *= tl.load(s_ptr + rn, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -187,10 +249,12 @@ def skinny_config(n: int, k: int, elem_bytes: int = 2, rows: int = 16) -> dict:
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, config: dict | None = None,
+                weight_scale: torch.Tensor | None = None, block_size: tuple[int, int] | None = None) -> torch.Tensor:
     """x[M, K] @ weight[N, K]^T (+ bias[N]) for 1 <= M <= SKINNY_MAX_ROWS -> `out` or a new [M, N]
-    tensor, x's dtype (fp32 sums; fp32 inputs multiply in full precision, not TF32)."""
-    _check(x, weight, bias, SKINNY_MAX_ROWS)
+    tensor, x's dtype (fp32 sums; fp32 inputs multiply in full precision, not TF32). FP8 weights
+    with `weight_scale` (and `block_size`) as in `gemv`, up to FP8_SKINNY_MAX_ROWS rows."""
+    _check(x, weight, bias, _max_rows(weight_scale), scale=weight_scale, block=block_size)
     m, k = x.shape
     n = weight.shape[0]
     if out is None:
@@ -204,9 +268,13 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         x = x.contiguous()
     if weight.stride(1) != 1:
         weight = weight.contiguous()
-    cfg = config or skinny_config(n, k, x.element_size(), m)
+    cfg = dict(config or skinny_config(n, k, x.element_size(), m))
+    if block_size is not None and config is None:  # one scale per K step
+        cfg["BLOCK_K"] = min(cfg["BLOCK_K"], block_size[1])
     _skinny_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-        x, weight, bias if bias is not None else x, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        x, weight, bias if bias is not None else x, out, M=m, N=n, K=k, stride_xm=x.stride(0),
+        stride_wn=weight.stride(0), stride_ym=out.stride(0),
+        **_scale_args(weight, weight_scale, block_size, cfg["BLOCK_N"], cfg["BLOCK_K"]),
         HAS_BIAS=bias is not None, EVEN=(n % cfg["BLOCK_N"] == 0 and k % cfg["BLOCK_K"] == 0),
         SWAP=cfg["SWAP"], DOT_F32=_interpreter_bf16(x), PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         BLOCK_M=_skinny_block_m(m), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],

@@ -5,7 +5,7 @@ or inside a function):
 - nothing imports `launch/` but `launch/` and the tests;
 - `distengine/` reaches `workers/` only through its executor;
 - `workers/` takes from `distengine/` only the shared contract: the engine config, the step types,
-  what a worker reports, the KV cache plan and specs, and the model description.
+  what a worker reports, the KV cache plan and specs, the model description and its quantization.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("distengine", "workers", "kernels", "launch")
 CONTRACT = {"distengine.config", "distengine.step", "distengine.worker_info", "distengine.kv_cache.plan",
+            "distengine.quantization",
             "distengine.kv_cache.specs", "distengine.model_config", "distengine.hf_config"}
 EXECUTOR = "distengine.executor"
 

@@ -8,6 +8,7 @@ no rank and no host ever holds a full copy of the model: the model shards each t
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 from collections.abc import Collection, Iterable, Iterator
@@ -15,10 +16,14 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from kernels.fp8 import FP8_DTYPE, FP8_MAX
+from workers.layers.linear import quantized_linears
+
 if TYPE_CHECKING:
     from workers.parallel import TPGroup
 
 from distengine.hf_config import load_hf_config, resolve_dtype, resolve_model_path
+from distengine.quantization import QuantizationConfig, resolve_quantization
 from distengine.model_config import FP8_KV_CACHE_DTYPES
 from workers.kv_scales import kv_scale_names, load_kv_scales
 
@@ -39,6 +44,11 @@ class WeightShapeError(ValueError):
 
 class MissingWeightsError(ValueError):
     """Model parameters that no checkpoint tensor filled: they would hold garbage."""
+
+
+class WeightDtypeError(ValueError):
+    """A checkpoint tensor stored in FP8 where the model holds it in its own dtype, or the
+    reverse: the quantization_config does not describe the weights."""
 
 
 class LoadableModel(Protocol):
@@ -114,9 +124,15 @@ def _read_tensors(files: dict[pathlib.Path, list[str] | None],
 def get_weight_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     """Every checkpoint tensor's shape, from the safetensors headers alone (no data read), so
     that shapes are checked against the model before any memory is spent on weights."""
+    return {name: shape for name, (shape, _) in get_weight_headers(path).items()}
+
+
+def get_weight_headers(path: str | os.PathLike) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every checkpoint tensor's (shape, safetensors dtype name such as "BF16" or "F8_E4M3"),
+    from the headers alone."""
     from safetensors import safe_open
 
-    shapes: dict[str, tuple[int, ...]] = {}
+    headers: dict[str, tuple[tuple[int, ...], str]] = {}
     for file, listed in _weight_files(path).items():
         with safe_open(str(file), "pt") as f:
             present = set(f.keys())
@@ -125,8 +141,9 @@ def get_weight_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
                 raise MissingShardError(f"{file.name} lacks {len(absent)} tensors that {INDEX_FILE} places "
                                         f"there: {_some(absent)}")
             for name in listed if listed is not None else f.keys():
-                shapes[name] = tuple(f.get_slice(name).get_shape())
-    return shapes
+                sl = f.get_slice(name)
+                headers[name] = (tuple(sl.get_shape()), sl.get_dtype())
+    return headers
 
 
 def _some(names: list[str], limit: int = 20) -> str:
@@ -141,17 +158,40 @@ def _some(names: list[str], limit: int = 20) -> str:
 def check_weight_shapes(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]]) -> None:
     """Raise WeightShapeError listing every checkpoint tensor the model takes whose full
     (unsharded) shape differs from the model's: a config that does not match its weights."""
+    # (A one-element shape matches another: per-tensor scales are saved as [] or [1].)
     wrong = [f"{name}: expected {tuple(expected[name])}, found {tuple(found[name])}"
              for name in sorted(expected.keys() & found.keys())
-             if tuple(expected[name]) != tuple(found[name])]
+             if tuple(expected[name]) != tuple(found[name])
+             and not (math.prod(expected[name]) == 1 == math.prod(found[name]))]
     if wrong:
         raise WeightShapeError(f"{len(wrong)} checkpoint tensors do not have the shape the config implies: "
                                f"{_some(wrong)}")
 
 
+def check_weight_dtypes(expected: Collection[str], found: dict[str, str],
+                        quant: QuantizationConfig | None) -> None:
+    """Raise WeightDtypeError unless exactly the weights the model holds in FP8 (those beside
+    which it expects a scale tensor) are stored in FP8 (float8_e4m3fn): an FP8 embedding, head,
+    expert or Mamba input projection, say, is refused by name before any data is read."""
+    scale = quant.scale_name if quant is not None else None
+    ours = {n for n in expected if scale and n.endswith(".weight") and f"{n[:-len('weight')]}{scale}" in expected}
+    wrong = []
+    for name in sorted(set(expected) & found.keys()):
+        fp8 = found[name].startswith("F8")
+        if name in ours and found[name] != "F8_E4M3":
+            wrong.append(f"{name} is stored as {found[name]}, but the quantization_config makes it FP8 (F8_E4M3)")
+        elif fp8 and name not in ours:
+            wrong.append(f"{name} is stored in FP8 ({found[name]}) but is not served in FP8 (FP8 weights are "
+                         f"served for the linear layers that the quantization_config quantizes; not embeddings, "
+                         f"heads, MoE experts or routers, Mamba / Gated DeltaNet input projections)")
+    if wrong:
+        raise WeightDtypeError(f"{len(wrong)} checkpoint tensors have a dtype the model does not take: {_some(wrong)}")
+
+
 def load_model(path: str | os.PathLike, model_cls: type, tp: TPGroup,
                dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu",
-               max_model_len: int | None = None, kv_cache_dtype: str = "auto") -> torch.nn.Module:
+               max_model_len: int | None = None, kv_cache_dtype: str = "auto",
+               quantization: str | None = None) -> torch.nn.Module:
     """Build `model_cls` (an nn.Module following `LoadableModel`) for this rank and fill it from
     the checkpoint at `path`.
 
@@ -159,24 +199,29 @@ def load_model(path: str | os.PathLike, model_cls: type, tp: TPGroup,
     it; `text_config(config)` is the language part). Missing shards and wrong shapes are raised
     before any tensor data is read; only the tensors named by `expected_checkpoint_shapes()` are
     read and handed to `load_weights`, which shards each one itself. `max_model_len` sizes the
-    rotary caches (default: the config's max_position_embeddings). With an fp8 `kv_cache_dtype`
-    the checkpoint's KV cache scales are read too (`workers.kv_scales`).
+    rotary caches (default: the config's max_position_embeddings). The checkpoint's
+    quantization_config (`distengine.quantization`) says which linear layers hold FP8 weights;
+    the headers' dtypes must agree. With an fp8 `kv_cache_dtype` the checkpoint's KV cache scales
+    are read too (`workers.kv_scales`).
     """
     config = load_hf_config(path)
     device = torch.device(device)
     resolved = resolve_dtype(config, dtype, device)
-    found = get_weight_shapes(path)
+    quant = resolve_quantization(config.to_dict(), quantization, "auto")
+    headers = get_weight_headers(path)
     extra = {"max_positions": max_model_len} if max_model_len else {}
-    model = model_cls(config, tp=tp, dtype=resolved, device=device, **extra)
+    with quantized_linears(quant):
+        model = model_cls(config, tp=tp, dtype=resolved, device=device, **extra)
     expected = model.expected_checkpoint_shapes()
-    check_weight_shapes(expected, found)
+    check_weight_shapes(expected, {name: shape for name, (shape, _) in headers.items()})
+    check_weight_dtypes(expected, {name: dt for name, (_, dt) in headers.items()}, quant)
     with torch.no_grad():
         loaded = model.load_weights(iterate_weights(path, names=expected.keys()))
     missing = model.missing_weights(set(loaded))
     if missing:
         raise MissingWeightsError(f"{len(missing)} model parameters got no weight from {path}: {_some(missing)}")
     # (a tensor the model itself takes is a weight, whatever its name)
-    scales = kv_scale_names(set(found) - set(expected)) if kv_cache_dtype in FP8_KV_CACHE_DTYPES else {}
+    scales = kv_scale_names(set(headers) - set(expected)) if kv_cache_dtype in FP8_KV_CACHE_DTYPES else {}
     if scales:
         load_kv_scales(model, iterate_weights(path, names=scales.keys()), scales)
     return model.eval()
@@ -184,31 +229,41 @@ def load_model(path: str | os.PathLike, model_cls: type, tp: TPGroup,
 
 def get_model(model: str, tp: TPGroup, dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu",
               revision: str | None = None, max_model_len: int | None = None,
-              load_format: str = "auto", seed: int = 0, kv_cache_dtype: str = "auto") -> torch.nn.Module:
+              load_format: str = "auto", seed: int = 0, kv_cache_dtype: str = "auto",
+              quantization: str | None = None) -> torch.nn.Module:
     """The whole path from an id or folder to a loaded rank shard, in the order that fails
     cheapest first (id, then architecture, then shards and shapes, then data). `load_format`
     "dummy" (vLLM's name) reads no weights: the folder needs only its config.json, and the
-    weights are random (uniform in +-1e-3, as vLLM's; a module that keeps weights in another
-    format, such as MXFP4 experts, fills them itself through its `dummy_weights`), for benchmarks."""
+    weights are random (uniform in +-1e-3, as vLLM's), for benchmarks; with `quantization`
+    "fp8" the linear layers' weights are FP8 in 128 x 128 blocks with random scales. A module that
+    keeps weights in another format (MXFP4 experts) fills them itself through its `dummy_weights`."""
     from workers.models import get_model_class
 
     path = resolve_model_path(model, revision)
     model_cls = get_model_class(getattr(load_hf_config(path), "architectures", None))
     if load_format == "dummy":
-        return dummy_model(path, model_cls, tp, dtype, device, max_model_len, seed)
-    return load_model(path, model_cls, tp, dtype, device, max_model_len, kv_cache_dtype)
+        return dummy_model(path, model_cls, tp, dtype, device, max_model_len, seed, quantization)
+    return load_model(path, model_cls, tp, dtype, device, max_model_len, kv_cache_dtype, quantization)
 
 
 def dummy_model(path: str | os.PathLike, model_cls: type, tp: TPGroup, dtype: str | torch.dtype = "auto",
-                device: torch.device | str = "cpu", max_model_len: int | None = None, seed: int = 0) -> torch.nn.Module:
+                device: torch.device | str = "cpu", max_model_len: int | None = None, seed: int = 0,
+                quantization: str | None = None) -> torch.nn.Module:
     config = load_hf_config(path)
     device = torch.device(device)
     extra = {"max_positions": max_model_len} if max_model_len else {}
-    model = model_cls(config, tp=tp, dtype=resolve_dtype(config, dtype, device), device=device, **extra)
+    with quantized_linears(resolve_quantization(config.to_dict(), quantization, "dummy")):
+        model = model_cls(config, tp=tp, dtype=resolve_dtype(config, dtype, device), device=device, **extra)
     gen = torch.Generator(device).manual_seed(seed + tp.rank)
+    scales = {id(m.fp8_scale) for m in model.modules() if getattr(m, "fp8", None) is not None}
     with torch.no_grad():
         for p in model.parameters():
-            if p.is_floating_point():
+            if p.dtype == FP8_DTYPE:  # FP8 values over their whole range, scaled back to +-1e-3
+                for rows in p.split(4096):
+                    rows.copy_(torch.empty(rows.shape, device=device).uniform_(-FP8_MAX, FP8_MAX, generator=gen))
+            elif id(p) in scales:
+                p.uniform_(0.5e-3 / FP8_MAX, 1.5e-3 / FP8_MAX, generator=gen)
+            elif p.is_floating_point():
                 p.uniform_(-1e-3, 1e-3, generator=gen)
         for m in model.modules():
             if hasattr(m, "dummy_weights"):

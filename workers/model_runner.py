@@ -131,8 +131,9 @@ class ModelRunner:
         self.device = device or torch.device(config.device)
         self.model = get_model(config.model, tp, config.dtype, self.device, max_model_len=config.max_model_len,
                                load_format=config.load_format, seed=config.seed,
-                               kv_cache_dtype=config.kv_cache_dtype)
-        self.dtype = next(self.model.parameters()).dtype
+                               kv_cache_dtype=config.kv_cache_dtype, quantization=config.quantization)
+        self.dtype = self.model.model.embedding.weight.dtype if hasattr(self.model.model, "embedding") \
+            else next(self.model.parameters()).dtype  # (FP8 linears hold another dtype)
         self.vocab_size = int(self.model.config.get_text_config().vocab_size)
         self.batch = InputBatch(plan, config.max_num_seqs, self.vocab_size, self.device, config.debug_checks)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)

@@ -7,10 +7,11 @@ from kernels.activation import (relu2, relu2_ref, gelu_tanh_and_mul, gelu_tanh_a
                                 swiglu_oai_and_mul, swiglu_oai_and_mul_ref)
 from kernels.kv_store import store_kv, store_kv_ref
 from kernels.gated_rmsnorm import gated_rms_norm, gated_rms_norm_ref
+from kernels.fp8 import dequantize_fp8, dequantize_fp8_ref
 from kernels.fused_moe import fused_experts, fused_experts_ref
 from kernels.fused_moe_mxfp4 import fused_experts_mxfp4, fused_experts_mxfp4_ref
 from kernels.gated_delta import gated_delta_update, gated_delta_update_ref, gated_delta_varlen, gated_delta_varlen_ref
-from kernels.gemv import SKINNY_MAX_ROWS, gemv, skinny_gemm
+from kernels.gemv import FP8_SKINNY_MAX_ROWS, SKINNY_MAX_ROWS, gemv, skinny_gemm
 from kernels.layernorm import rms_norm, rms_norm_ref
 from kernels.mamba_conv import (causal_conv1d_update, causal_conv1d_update_ref, causal_conv1d_varlen,
                                 causal_conv1d_varlen_ref)
@@ -71,6 +72,19 @@ def linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     return torch.addmm(bias, x, weight.t(), out=out)
 
 
+def fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+                  bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear_op` for an FP8 weight and its scales (kernels.fp8): up to 128 rows on a GPU the
+    GEMV / skinny GEMM dequantize in registers, reading the weight at one byte an element; more
+    rows (prefill, big decode batches) dequantize the weight to x's dtype for cuBLAS; on CPU the
+    torch references."""
+    if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= FP8_SKINNY_MAX_ROWS:
+        kernel = gemv if x.shape[0] == 1 else skinny_gemm
+        return kernel(x, weight, bias, out=out, weight_scale=scale, block_size=block)
+    w = (dequantize_fp8 if x.is_cuda else dequantize_fp8_ref)(weight, scale, block, x.dtype)
+    return linear_op(x, w, bias, out=out)
+
+
 def act_and_mul(name: str):
     if name not in ACTIVATIONS:
         raise ValueError(f"activation {name!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
@@ -84,7 +98,8 @@ def ungated_act(name: str):
     return UNGATED_ACTIVATIONS[name]
 
 
-__all__ = ["linear_op", "rms_norm_op", "rotary_op", "store_kv_op", "paged_attention_op", "qk_norm_rope_op",
+__all__ = ["linear_op", "fp8_linear_op", "rms_norm_op", "rotary_op", "store_kv_op", "paged_attention_op",
+           "qk_norm_rope_op",
            "act_and_mul", "ungated_act", "causal_conv1d_varlen_op", "causal_conv1d_update_op", "ssd_scan_varlen_op",
            "selective_state_update_op", "selective_scan_varlen_op", "selective_scan_update_op",
            "gated_rms_norm_op", "gated_delta_varlen_op", "gated_delta_update_op",

@@ -176,6 +176,9 @@ def add_model_arguments(p) -> None:
                    help="TP>1: small all-reduces over NVLink peer-to-peer (opt-in; NCCL otherwise)")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights, no checkpoint read (no --hf then) (default: %(default)s)")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: FP8 linear weights (an FP8 checkpoint's, or with --load-format dummy random ones in "
+                        "128x128 blocks); the roofline counts the weights' bytes as stored (default: the checkpoint's)")
     p.add_argument("--hf", action="store_true", help="also time transformers' generate() on the same weights")
     p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     p.add_argument("--output-json", default=None, help="write the results here")
@@ -279,14 +282,21 @@ class Roofline:
         return 2 * self.num_params * tokens / (self.matmul * self.tp)
 
 
-def expert_layers(worker) -> list[tuple[int, int, int, int]]:
-    """(experts, experts per token, this rank's bytes of their weights as stored, and their
-    weights' count) per routed-experts layer, run on a worker through `collective_rpc`: a decode
-    step reads only the experts its tokens chose (a shared expert kept in the same stack is not
-    one of them); MXFP4 experts are 4.25 bits a weight."""
+def expert_layers(worker) -> list[tuple[int, int, int, int, int]]:
+    """(experts, experts per token, this rank's bytes of their weights as stored, their weights'
+    count, and the elements of the tensors that store them) per routed-experts layer, run on a
+    worker through `collective_rpc`: a decode step reads only the experts its tokens chose (a
+    shared expert kept in the same stack is not one of them); MXFP4 experts are 4.25 bits a
+    weight, stored as bytes of two weights and scales."""
     from workers.layers.moe import FusedMoE
-    return [(m.num_experts, m.top_k, m.routed_bytes(), m.routed_params())
+    return [(m.num_experts, m.top_k, m.routed_bytes(), m.routed_params(), m.routed_elements())
             for m in worker.runner.model.modules() if isinstance(m, FusedMoE)]
+
+
+def weight_elements(worker) -> int:
+    """Elements of a worker's weights (FP8 ones count one each, as bf16 ones: the product's
+    FLOPs), run on it through `collective_rpc`."""
+    return sum(p.numel() for p in worker.runner.model.parameters())
 
 
 def roofline_of(engine, bandwidth: float | None = None, matmul: float | None = None) -> Roofline:
@@ -296,14 +306,17 @@ def roofline_of(engine, bandwidth: float | None = None, matmul: float | None = N
     if bandwidth is None or matmul is None:
         bandwidth, matmul = engine.collective_rpc(measure_ceilings, ranks=[0])[0]
     layers = engine.collective_rpc(expert_layers, ranks=[0])[0]
-    experts = tuple((e, k, size) for e, k, size, _ in layers)
+    experts = tuple((e, k, size) for e, k, size, *_ in layers)
     info = engine.info
     plan = info.plan
     from distengine.hf_config import read_model_config
     hf = read_model_config(info.config.model).get_text_config()
     dtype_bytes = {"bfloat16": 2, "float16": 2, "float32": 4}[info.config.dtype]
+    # Bytes as stored (FP8 linear weights one byte an element, with their scales; MXFP4 experts
+    # 4.25 bits a weight); parameters counted by weight (the routed experts' by `routed_params`).
     weight_bytes = info.memory[0].weight_bytes - sum(size for _, _, size in experts)
-    num_params = (weight_bytes // dtype_bytes + sum(params * k / e for e, k, _, params in layers)) * plan.tp_size
+    elements = engine.collective_rpc(weight_elements, ranks=[0])[0] - sum(stored for *_, stored in layers)
+    num_params = (elements + sum(params * k / e for e, k, _, params, _ in layers)) * plan.tp_size
     # Untied embeddings are read in full only for the rows used: count the LM head, not the table.
     if not getattr(hf, "tie_word_embeddings", True):
         num_params -= hf.vocab_size * hf.hidden_size
@@ -325,8 +338,8 @@ def engine_summary(info) -> dict:
     """What a benchmark's JSON records of the engine it measured (an `EngineInfo`)."""
     cfg, plan = info.config, info.plan
     return dict(device=info.devices[0].device, device_name=info.devices[0].name, tp_size=plan.tp_size,
-                dtype=cfg.dtype, kv_cache_dtype=cfg.kv_cache_dtype, weight_bytes=info.memory[0].weight_bytes,
-                block_size=plan.block_size,
+                dtype=cfg.dtype, kv_cache_dtype=cfg.kv_cache_dtype, quantization=cfg.quantization,
+                weight_bytes=info.memory[0].weight_bytes, block_size=plan.block_size,
                 block_bytes=plan.block_bytes, num_blocks=info.num_blocks, num_groups=len(plan.groups),
                 max_model_len=plan.max_model_len, max_num_batched_tokens=cfg.max_num_batched_tokens,
                 cuda_graphs=list(cfg.cuda_graph_sizes) if info.uses_cuda_graphs else [],
@@ -395,6 +408,7 @@ def engine_options(args, max_model_len: int) -> dict:
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                 enforce_eager=args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype,
                 async_scheduling=not args.no_async_scheduling, seed=args.seed, load_format=args.load_format,
+                quantization=getattr(args, "quantization", None),
                 disable_custom_all_reduce=not args.custom_all_reduce,
                 enable_prefix_caching=not args.no_enable_prefix_caching,
                 mamba_checkpoint_interval=args.mamba_checkpoint_interval,

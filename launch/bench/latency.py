@@ -84,8 +84,10 @@ def run(args) -> int:
     print(f"\n{device}, TP={args.tensor_parallel_size}; model {model}; in {args.input_len} / out {args.output_len}"
           f"{f' x n={args.n}' if args.n > 1 else ''}; "
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 product {matmul / 1e12:.0f} TFLOP/s (same run); "
-          f"weights per rank {info['weight_bytes'] / 1e9:.2f} GB; KV cache {info['kv_cache_dtype']} "
-          f"({rf.kv_dtype_bytes} B an element, as the roofline counts it); CUDA graphs: {bool(info['cuda_graphs'])}")
+          f"weights per rank {info['weight_bytes'] / 1e9:.2f} GB as stored"
+          f"{' (FP8 linear weights)' if info['quantization'] or _quantized(model) else ''}; KV cache "
+          f"{info['kv_cache_dtype']} ({rf.kv_dtype_bytes} B an element, as the roofline counts it); "
+          f"CUDA graphs: {bool(info['cuda_graphs'])}")
     rows = [("batch / figure", "ours", "roofline", "ours/roofline")]
     for r in results:
         b = r["batch_size"]
@@ -107,6 +109,12 @@ def run(args) -> int:
     bc.write_json(args.output_json, dict(kind="latency", device=device, tp=args.tensor_parallel_size, model=model,
                                          copy_bandwidth=bandwidth, matmul_rate=matmul, engine=info, results=results))
     return 0
+
+
+def _quantized(model: str) -> bool:
+    from distengine.hf_config import read_model_config
+    from distengine.quantization import quantization_dict
+    return quantization_dict(read_model_config(model).to_dict()) is not None
 
 
 def _vocab(model: str) -> int:

@@ -63,6 +63,9 @@ def add_arguments(p) -> None:
     p.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: $RAY_ADDRESS, else local)")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights, no checkpoint read (benchmarks)")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: FP8 linear weights (an FP8 checkpoint's; with --load-format dummy random ones) "
+                        "(default: the checkpoint's quantization_config)")
     p.add_argument("--structured-outputs-backend", "--guided-decoding-backend", dest="structured_outputs_backend",
                    default="auto", choices=["auto", "xgrammar", "guidance"],
                    help="the library of structured outputs: auto (llguidance for JSON schemas, JSON objects, "
@@ -138,8 +141,8 @@ def run(args) -> int:
                           enable_prefix_caching=not args.no_enable_prefix_caching, enforce_eager=args.enforce_eager,
                           mamba_checkpoint_interval=args.mamba_checkpoint_interval,
                           dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, device=args.device,
-                          ray_address=args.ray_address,
-                          load_format=args.load_format, structured_outputs_backend=args.structured_outputs_backend)
+                          ray_address=args.ray_address, load_format=args.load_format,
+                          quantization=args.quantization, structured_outputs_backend=args.structured_outputs_backend)
     except BaseException:
         sock.close()
         raise

@@ -171,6 +171,10 @@ class FusedMoE(nn.Module):
         return sum(p[0].numel() for p in (self.w13, self.w2)) * self.num_experts + \
             sum(p.numel() for p in (self.b13, self.b2) if p is not None)
 
+    def routed_elements(self) -> int:
+        """Elements of the tensors that store this rank's routed experts (one a weight here)."""
+        return self.routed_params()
+
     def full_shapes(self) -> dict[str, tuple[int, ...]]:
         e, h, i = self.num_experts, self.hidden, self.intermediate
         shapes = {"w13": (e, self.halves * i, h), "w2": (e, h, i)}

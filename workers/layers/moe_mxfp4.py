@@ -69,6 +69,10 @@ class MXFP4FusedMoE(FusedMoE):
         return sum(math.prod(w.shape) for w in (w13, w2)) + sum(p.numel() for p in (self.b13, self.b2)
                                                                  if p is not None)
 
+    def routed_elements(self) -> int:
+        """Elements of the tensors that store the experts: bytes of blocks and scales, the biases."""
+        return sum(p.numel() for p in (*(getattr(self, n) for n in WEIGHTS), self.b13, self.b2) if p is not None)
+
     def full_shapes(self) -> dict[str, tuple[int, ...]]:
         e, h, i, g = self.num_experts, self.hidden, self.intermediate, MXFP4_BLOCK
         rows = self.halves * i

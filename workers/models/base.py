@@ -86,9 +86,8 @@ class DecoderForCausalLM(nn.Module):
                     if path.endswith(fused):
                         if module.part_shapes(shard) is None:  # a part this layer lacks
                             continue
-                        shapes[f"{path[: -len(fused)]}{part}.weight"] = module.part_shapes(shard)
-                        if module.bias is not None:
-                            shapes[f"{path[: -len(fused)]}{part}.bias"] = module.part_shapes(shard)[:1]
+                        for pname, shape in module.part_shapes(shard).items():
+                            shapes[f"{path[: -len(fused)]}{part}.{pname}"] = shape
                 continue
             full = getattr(module, "full_shapes", None)
             if full is not None:

@@ -22,6 +22,7 @@ from torch import nn
 
 from distengine.model_config import SLIDING
 from workers.layers.attention import AttentionMetadata
+from workers.layers.linear import linear_quantization
 from workers.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 
@@ -74,6 +75,12 @@ def interleaved_to_neox(t: torch.Tensor, head_dim: int) -> torch.Tensor:
 
 class Cohere2ForCausalLM(LlamaForCausalLM):
     decoder_layer_cls = Cohere2DecoderLayer
+
+    def __init__(self, config, tp, dtype, device, max_positions: int | None = None) -> None:
+        if linear_quantization() is not None:
+            raise ValueError("Cohere2: FP8 checkpoints are not supported yet (q/k rows are reordered at load; "
+                             "their scales would need the same)")
+        super().__init__(config, tp, dtype, device, max_positions)
 
     def final_norm(self, config, dtype, device) -> nn.Module:
         return CohereLayerNorm(config.hidden_size, config.layer_norm_eps, dtype, device)
