@@ -314,11 +314,13 @@ def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk
     return out.to(x.dtype)
 
 
-def compile_align_variants(num_experts: int, top_k: int, itemsize: int, device) -> None:
+def compile_align_variants(num_experts: int, top_k: int, itemsize: int, device, block_m_of=None) -> None:
     """Run the align program once in each variant a batch of up to ALIGN_KERNEL_MAX_PAIRS pairs
-    compiles (its sort width and tile rows), so that none compiles while serving."""
+    compiles (its sort width and tile rows), so that none compiles while serving. `block_m_of`
+    maps a pair count to its tile rows (default: `moe_config`'s)."""
+    block_m_of = block_m_of or (lambda n: moe_config(n, num_experts, itemsize)["BLOCK_M"])
     variants: dict[tuple[int, int], int] = {}
     for n in range(top_k, ALIGN_KERNEL_MAX_PAIRS + 1, top_k):
-        variants.setdefault((align_kernel_width(n), moe_config(n, num_experts, itemsize)["BLOCK_M"]), n)
+        variants.setdefault((align_kernel_width(n), block_m_of(n)), n)
     for (_, block_m), n in variants.items():
         moe_align_kernel(torch.zeros(n // top_k, top_k, dtype=torch.int64, device=device), num_experts, block_m)

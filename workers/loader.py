@@ -235,7 +235,8 @@ def get_model(model: str, tp: TPGroup, dtype: str | torch.dtype = "auto", device
     cheapest first (id, then architecture, then shards and shapes, then data). `load_format`
     "dummy" (vLLM's name) reads no weights: the folder needs only its config.json, and the
     weights are random (uniform in +-1e-3, as vLLM's), for benchmarks; with `quantization`
-    "fp8" the linear layers' weights are FP8 in 128 x 128 blocks with random scales."""
+    "fp8" the linear layers' weights are FP8 in 128 x 128 blocks with random scales. A module that
+    keeps weights in another format (MXFP4 experts) fills them itself through its `dummy_weights`."""
     from workers.models import get_model_class
 
     path = resolve_model_path(model, revision)
@@ -262,6 +263,9 @@ def dummy_model(path: str | os.PathLike, model_cls: type, tp: TPGroup, dtype: st
                     rows.copy_(torch.empty(rows.shape, device=device).uniform_(-FP8_MAX, FP8_MAX, generator=gen))
             elif id(p) in scales:
                 p.uniform_(0.5e-3 / FP8_MAX, 1.5e-3 / FP8_MAX, generator=gen)
-            else:
+            elif p.is_floating_point():
                 p.uniform_(-1e-3, 1e-3, generator=gen)
+        for m in model.modules():
+            if hasattr(m, "dummy_weights"):
+                m.dummy_weights(gen)
     return model.eval()

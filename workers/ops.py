@@ -9,6 +9,7 @@ from kernels.kv_store import store_kv, store_kv_ref
 from kernels.gated_rmsnorm import gated_rms_norm, gated_rms_norm_ref
 from kernels.fp8 import dequantize_fp8, dequantize_fp8_ref
 from kernels.fused_moe import fused_experts, fused_experts_ref
+from kernels.fused_moe_mxfp4 import fused_experts_mxfp4, fused_experts_mxfp4_ref
 from kernels.gated_delta import gated_delta_update, gated_delta_update_ref, gated_delta_varlen, gated_delta_varlen_ref
 from kernels.gemv import FP8_SKINNY_MAX_ROWS, SKINNY_MAX_ROWS, gemv, skinny_gemm
 from kernels.layernorm import rms_norm, rms_norm_ref
@@ -44,6 +45,7 @@ gated_rms_norm_op = _pick(gated_rms_norm, gated_rms_norm_ref)
 gated_delta_varlen_op = _pick(gated_delta_varlen, gated_delta_varlen_ref)
 gated_delta_update_op = _pick(gated_delta_update, gated_delta_update_ref)
 fused_experts_op = _pick(fused_experts, fused_experts_ref)
+fused_experts_mxfp4_op = _pick(fused_experts_mxfp4, fused_experts_mxfp4_ref)
 topk_softmax_op = _pick(topk_softmax, topk_softmax_ref)
 topk_sigmoid_op = _pick(topk_sigmoid, topk_sigmoid_ref)
 swiglu_oai_op = _pick(swiglu_oai_and_mul, swiglu_oai_and_mul_ref)

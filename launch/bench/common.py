@@ -24,6 +24,9 @@ from distengine.model_config import KV_CACHE_DTYPES
 from kernels.bench.roofline import copy_bandwidth, matmul_rate, synchronize
 
 _GEMMA3 = dict(max_position_embeddings=32768, sliding_window_pattern=6)
+# The published gpt-oss checkpoints' quantization_config: experts in MXFP4, the rest bf16.
+GPT_OSS_MXFP4 = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
 # A shape: (transformers model_type, config fields), or (model_type, (a built-in config of
 # distengine/configs, as `distengine kv-plan --config` plans it, changes)).
 SHAPES = {
@@ -41,8 +44,13 @@ SHAPES = {
     # positions capped as Bamba's.
     "granite-4.0-h-tiny": ("granitemoehybrid", ("granite-4.0-h-tiny", dict(max_position_embeddings=16384))),
     # Sliding-window (128) and full layers alternating, attention sinks, 32 experts (4 per token),
-    # in bf16 (the published checkpoint's experts are MXFP4).
+    # in bf16 (the published checkpoint keeps its experts in MXFP4: gpt-oss-20b-mxfp4 below).
     "gpt-oss-20b": ("gpt_oss", ("gpt-oss-20b", {})),
+    # gpt-oss-20b and -120b as published: experts in MXFP4 (their quantization_config: 4.25 bits a
+    # weight, ~61 GB for 120b's 36 layers of 128 experts), the rest in bf16; --load-format dummy
+    # only (random experts in the stored format), one H200.
+    "gpt-oss-20b-mxfp4": ("gpt_oss", ("gpt-oss-20b", dict(quantization_config=GPT_OSS_MXFP4))),
+    "gpt-oss-120b": ("gpt_oss", ("gpt-oss-120b", dict(quantization_config=GPT_OSS_MXFP4))),
     # Gated DeltaNet hybrids (3 linear-attention : 1 gated attention layer), the text models of the
     # published checkpoints: the largest dense one that fits one H200 in bf16, and the MoE one
     # (256 experts, 8 per token, beside a shared expert).
@@ -76,6 +84,11 @@ SHAPES = {
                                         attention_chunk_size=16, interleave_moe_layer_step=2, num_local_experts=4,
                                         num_experts_per_tok=1, floor_scale=8, vocab_size=512,
                                         max_position_embeddings=4096)),
+    "tiny-gpt-oss-mxfp4": ("gpt_oss", dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                           sliding_window=16, num_local_experts=8, num_experts_per_tok=2,
+                                           vocab_size=512, max_position_embeddings=4096,
+                                           quantization_config=GPT_OSS_MXFP4)),
     "tiny-granite-moe": ("granitemoehybrid", dict(hidden_size=64, intermediate_size=32, shared_intermediate_size=64,
                                                   num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"],
                                                   num_local_experts=8, num_experts_per_tok=2, num_attention_heads=4,
@@ -195,6 +208,9 @@ def build_random_model(folder: str, shape: str, device: str = "auto", weights: b
     from transformers import AutoModelForCausalLM
     dev = "cuda" if device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
     cfg = shape_config(shape, num_layers)
+    if weights and getattr(cfg, "quantization_config", None):
+        raise ValueError(f"the {shape} shape keeps weights quantized ({cfg.quantization_config['quant_method']}): "
+                         f"run it with --load-format dummy (random weights in the stored format)")
     if not weights:
         cfg.architectures = [AutoModelForCausalLM._model_mapping[type(cfg)].__name__]
         cfg.dtype = "bfloat16"
@@ -266,12 +282,14 @@ class Roofline:
         return 2 * self.num_params * tokens / (self.matmul * self.tp)
 
 
-def expert_layers(worker) -> list[tuple[int, int, int]]:
-    """(experts, experts per token, this rank's bytes of their weights) per routed-experts layer,
-    run on a worker through `collective_rpc`: a decode step reads only the experts its tokens
-    chose (a shared expert kept in the same stack is not one of them)."""
+def expert_layers(worker) -> list[tuple[int, int, int, int, int]]:
+    """(experts, experts per token, this rank's bytes of their weights as stored, their weights'
+    count, and the elements of the tensors that store them) per routed-experts layer, run on a
+    worker through `collective_rpc`: a decode step reads only the experts its tokens chose (a
+    shared expert kept in the same stack is not one of them); MXFP4 experts are 4.25 bits a
+    weight, stored as bytes of two weights and scales."""
     from workers.layers.moe import FusedMoE
-    return [(m.num_experts, m.top_k, m.routed_bytes())
+    return [(m.num_experts, m.top_k, m.routed_bytes(), m.routed_params(), m.routed_elements())
             for m in worker.runner.model.modules() if isinstance(m, FusedMoE)]
 
 
@@ -287,17 +305,18 @@ def roofline_of(engine, bandwidth: float | None = None, matmul: float | None = N
     import math
     if bandwidth is None or matmul is None:
         bandwidth, matmul = engine.collective_rpc(measure_ceilings, ranks=[0])[0]
-    experts = tuple(tuple(layer) for layer in engine.collective_rpc(expert_layers, ranks=[0])[0])
+    layers = engine.collective_rpc(expert_layers, ranks=[0])[0]
+    experts = tuple((e, k, size) for e, k, size, *_ in layers)
     info = engine.info
     plan = info.plan
     from distengine.hf_config import read_model_config
     hf = read_model_config(info.config.model).get_text_config()
     dtype_bytes = {"bfloat16": 2, "float16": 2, "float32": 4}[info.config.dtype]
-    # Bytes as stored (FP8 linear weights one byte an element, with their scales); parameters
-    # counted by element (the routed experts are in the model's dtype).
+    # Bytes as stored (FP8 linear weights one byte an element, with their scales; MXFP4 experts
+    # 4.25 bits a weight); parameters counted by weight (the routed experts' by `routed_params`).
     weight_bytes = info.memory[0].weight_bytes - sum(size for _, _, size in experts)
-    elements = engine.collective_rpc(weight_elements, ranks=[0])[0] - sum(s for _, _, s in experts) // dtype_bytes
-    num_params = (elements + sum(size * k / e for e, k, size in experts) / dtype_bytes) * plan.tp_size
+    elements = engine.collective_rpc(weight_elements, ranks=[0])[0] - sum(stored for *_, stored in layers)
+    num_params = (elements + sum(params * k / e for e, k, _, params, _ in layers)) * plan.tp_size
     # Untied embeddings are read in full only for the rows used: count the LM head, not the table.
     if not getattr(hf, "tie_word_embeddings", True):
         num_params -= hf.vocab_size * hf.hidden_size

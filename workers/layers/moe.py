@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.fused_moe import compile_align_variants, tokens_per_tile_band
+from kernels.fused_moe import compile_align_variants, moe_config, tokens_per_tile_band
 from kernels.moe_routing import check_groups, topk_sigmoid_grouped
 from workers.ops import act_and_mul, fused_experts_op, linear_op, topk_sigmoid_op, topk_softmax_op, ungated_act
 from workers.parallel import TPGroup, split_evenly
@@ -138,13 +138,8 @@ class FusedMoE(nn.Module):
             self.shared_start, self.shared_size = split_evenly(shared_intermediate, tp,
                                                                f"{name} shared expert intermediate size")
             self.shared_slots = -(-self.shared_size // self.size)
-        slots = num_experts + self.shared_slots
-        self.w13 = nn.Parameter(torch.empty(slots, self.halves * self.size, hidden, dtype=dtype, device=device),
-                                requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(slots, hidden, self.size, dtype=dtype, device=device),
-                               requires_grad=False)
-        self.w13.data[num_experts:].zero_()  # the shared expert's padding
-        self.w2.data[num_experts:].zero_()
+        self.dtype, self.device = dtype, device
+        self.make_weights(num_experts + self.shared_slots, dtype, device)
         self.b13 = self.b2 = None
         if bias:
             self.b13 = nn.Parameter(torch.empty(num_experts, self.halves * self.size, dtype=dtype, device=device),
@@ -155,12 +150,30 @@ class FusedMoE(nn.Module):
             activation = act_and_mul(activation) if gated else ungated_act(activation)
         self.act = activation
 
+    def make_weights(self, slots: int, dtype: torch.dtype, device: torch.device) -> None:
+        """w13 and w2 for `slots` experts (a subclass keeps them in another format)."""
+        self.w13 = nn.Parameter(torch.empty(slots, self.halves * self.size, self.hidden, dtype=dtype, device=device),
+                                requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(slots, self.hidden, self.size, dtype=dtype, device=device),
+                               requires_grad=False)
+        self.w13.data[self.num_experts:].zero_()  # the shared expert's padding
+        self.w2.data[self.num_experts:].zero_()
+
     def routed_bytes(self) -> int:
         """This rank's bytes of the routed experts (a step reads those its tokens chose; a shared
         expert's slots it reads whole)."""
         slot = sum(p[0].numel() * p.element_size() for p in (self.w13, self.w2))
         return slot * self.num_experts + sum(p.numel() * p.element_size() for p in (self.b13, self.b2)
                                              if p is not None)
+
+    def routed_params(self) -> int:
+        """This rank's weights of the routed experts (elements, not bytes)."""
+        return sum(p[0].numel() for p in (self.w13, self.w2)) * self.num_experts + \
+            sum(p.numel() for p in (self.b13, self.b2) if p is not None)
+
+    def routed_elements(self) -> int:
+        """Elements of the tensors that store this rank's routed experts (one a weight here)."""
+        return self.routed_params()
 
     def full_shapes(self) -> dict[str, tuple[int, ...]]:
         e, h, i = self.num_experts, self.hidden, self.intermediate
@@ -233,6 +246,10 @@ class FusedMoE(nn.Module):
         else:
             weights, ids = topk_softmax_op(router_logits, self.top_k, x.dtype, self.shared_slots,
                                            renormalize=self.renormalize)
+        return self.run_experts(x, weights, ids)
+
+    def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum over each token's chosen experts."""
         return fused_experts_op(x, self.w13, self.w2, weights, ids, self.act, self.b13,
                                 self.b2 if self.first_rank else None, weight_input=self.weight_input)
 
@@ -240,9 +257,13 @@ class FusedMoE(nn.Module):
         """Run one batch in each tile band of the kernels (they pick their tiles by the rows
         each expert gets), so that no prefill compiles a kernel while serving."""
         for t in tokens_per_tile_band(self.num_experts, self.top_k):
-            x = torch.zeros(t, self.hidden, dtype=self.w13.dtype, device=self.w13.device)
+            x = torch.zeros(t, self.hidden, dtype=self.dtype, device=self.device)
             gate = 1 if self.shared_slots and self.scoring == "softmax" else 0  # the shared expert's gate
             logits = torch.randn(t, self.num_experts + gate, device=x.device)
             self(x, logits.to(x.dtype))  # the router's dtype
         compile_align_variants(self.num_experts + self.shared_slots, self.top_k + self.shared_slots,
-                               self.w13.element_size(), x.device)
+                               self.dtype.itemsize, x.device, self.block_m_of)
+
+    def block_m_of(self, num_pairs: int) -> int:
+        """The row tile the kernels use for a batch of `num_pairs` (token, expert) pairs."""
+        return moe_config(num_pairs, self.num_experts + self.shared_slots, self.dtype.itemsize)["BLOCK_M"]

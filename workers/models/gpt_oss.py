@@ -11,17 +11,26 @@ layer:
 Checkpoints in bf16 (transformers' layout) load: `mlp.experts.gate_up_proj` [E, H, 2I] with gate
 and up interleaved column by column, `gate_up_proj_bias` [E, 2I] likewise, `down_proj` [E, I, H];
 they are turned into the experts' [E, 2I, H] (gate rows, then up rows) and [E, H, I] as they are
-read. The published MXFP4 checkpoints (`quantization_config` "mxfp4") are refused by name.
+read. The published checkpoints (`quantization_config` quant_method "mxfp4") keep the experts in
+MXFP4, `gate_up_proj_blocks` / `_scales` and `down_proj_blocks` / `_scales`, rows of outputs (gate
+and up interleaved row by row, kept so with their bias: the kernel activates whole pairs) and the
+reduction packed along the last axes: they stay 4-bit on the device (`MXFP4FusedMoE`), except in
+layers whose experts the config's `modules_to_not_convert` names (transformers' matching rule:
+those are read in bf16). Only the experts are ever MXFP4 (as transformers': attention, router,
+embeddings and head are bf16).
 """
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 
 from workers.layers.moe import FusedMoE, Router
+from kernels.fused_moe_mxfp4 import SwigluOAI
+from workers.layers.moe_mxfp4 import MXFP4FusedMoE
 from workers.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from workers.ops import swiglu_oai_op
 from workers.parallel import TPGroup
@@ -50,12 +59,28 @@ class GptOssMoE(nn.Module):
         super().__init__()  # (`mlp_bias` is the dense MLPs' flag: gpt-oss's experts always have biases)
         e, h = config.num_local_experts, config.hidden_size
         # transformers up to 5.17 has no swiglu_alpha and fixes both at these values
-        act = functools.partial(swiglu_oai_op, alpha=float(getattr(config, "swiglu_alpha", None) or 1.702),
-                                limit=float(getattr(config, "swiglu_limit", None) or 7.0))
+        act = SwigluOAI(alpha=float(getattr(config, "swiglu_alpha", None) or 1.702),
+                        limit=float(getattr(config, "swiglu_limit", None) or 7.0))
         self.router = Router(h, e, dtype, device, bias=True)
-        self.experts = FusedMoE(e, int(config.num_experts_per_tok), h, config.intermediate_size, act, tp, dtype,
-                                device, f"{prefix}.experts", bias=True)
+        if mxfp4_experts(config, f"{prefix}.experts"):
+            self.experts = MXFP4FusedMoE(e, int(config.num_experts_per_tok), h, config.intermediate_size, act, tp,
+                                         dtype, device, f"{prefix}.experts", bias=True)
+        else:
+            self.experts = FusedMoE(e, int(config.num_experts_per_tok), h, config.intermediate_size,
+                                    functools.partial(swiglu_oai_op, alpha=act.alpha, limit=act.limit), tp, dtype,
+                                    device, f"{prefix}.experts", bias=True)
         self.tp = tp
+
+    def dummy_weights(self, generator: torch.Generator) -> None:
+        """`--load-format dummy`: router weights that spread the choice. With every weight uniform
+        in +-1e-3 a normed hidden state's entries are ~1e-3 / sqrt(3), its logits ~1e-3 sqrt(H) / 3
+        times the router's scale, and the router's bias (+-1e-3) would pick the same experts for
+        every token: a batch would read a few experts where a real model (and the roofline's
+        uniform routing) reads E (1 - (1 - k/E)^B). Weights uniform in +-3000 / sqrt(H) and no bias
+        give logits of standard deviation ~1 that differ from token to token."""
+        bound = 3000.0 / self.router.hidden ** 0.5
+        self.router.weight.data.uniform_(-bound, bound, generator=generator)
+        self.router.bias.data.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.experts(x, self.router(x)))
@@ -66,9 +91,29 @@ class GptOssDecoderLayer(LlamaDecoderLayer):
     mlp_cls = GptOssMoE
 
 
+def quant_method(config) -> str | None:
+    quant = getattr(config, "quantization_config", None) or {}
+    return quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+
+
+def mxfp4_experts(config, name: str) -> bool:
+    """Whether the experts module `name` ("model.layers.3.mlp.experts") is MXFP4 in the checkpoint:
+    quant_method "mxfp4" and no `modules_to_not_convert` pattern matching it (transformers'
+    `should_convert_module`: a regex from the start up to a module boundary, or a suffix)."""
+    if quant_method(config) != "mxfp4":
+        return False
+    quant = config.quantization_config
+    patterns = (quant.get("modules_to_not_convert") if isinstance(quant, dict)
+                else getattr(quant, "modules_to_not_convert", None)) or []
+    boundary = r"(?:(?<=\.)|(?=\.|$))"
+    return not any(re.match(rf"(?:{p}){boundary}", name) or name.endswith(p) for p in patterns)
+
+
 # checkpoint name suffix -> our parameter's
 EXPERT_NAMES = {".experts.gate_up_proj": ".experts.w13", ".experts.gate_up_proj_bias": ".experts.b13",
-                ".experts.down_proj": ".experts.w2", ".experts.down_proj_bias": ".experts.b2"}
+                ".experts.down_proj": ".experts.w2", ".experts.down_proj_bias": ".experts.b2",
+                ".experts.gate_up_proj_blocks": ".experts.w13_blocks", ".experts.gate_up_proj_scales": ".experts.w13_scales",
+                ".experts.down_proj_blocks": ".experts.w2_blocks", ".experts.down_proj_scales": ".experts.w2_scales"}
 
 
 def our_name(name: str) -> str:
@@ -102,12 +147,10 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config, tp: TPGroup, dtype: torch.dtype, device: torch.device,
                  max_positions: int | None = None) -> None:
-        quant = getattr(config, "quantization_config", None) or {}
-        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-        if method:
-            raise ValueError(f"gpt-oss: {method!r}-quantized checkpoints are not supported yet (the experts would "
-                             f"need {method} kernels): use a bf16 checkpoint, e.g. one saved by transformers with "
-                             f"Mxfp4Config(dequantize=True)")
+        method = quant_method(config)
+        if method not in (None, "mxfp4"):
+            raise ValueError(f"gpt-oss: {method!r}-quantized checkpoints are not supported (bf16, or the published "
+                             f"MXFP4 experts)")
         super().__init__(config, tp, dtype, device, max_positions)
 
     def checkpoint_to_param(self, name: str) -> tuple[str, object]:
@@ -116,7 +159,10 @@ class GptOssForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def converted() -> Iterator[tuple[str, torch.Tensor]]:
             for name, t in weights:
-                yield name, to_our_layout(name, t)
+                # MXFP4 experts keep the checkpoint's interleaved gate/up rows, their bias too
+                mxfp4 = ".mlp.experts." in name and isinstance(self.get_submodule(name.rsplit(".", 1)[0]),
+                                                                 MXFP4FusedMoE)
+                yield name, t if mxfp4 else to_our_layout(name, t)
         return super().load_weights(converted())
 
     def expected_checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -1,0 +1,119 @@
+"""Timing of the MXFP4 routed-experts op (`fused_experts_mxfp4`) at gpt-oss-120b's expert shape
+(128 experts, 4 per token, hidden 2880, intermediate 2880, biases, gpt-oss's activation), on one
+GPU, against (a) the bf16 op (`fused_experts`) on the same weights dequantized and (b) the
+roofline of the bytes as stored: the blocks, scales and biases of the experts the batch chose
+(4.25 bits a weight) over the copy bandwidth measured in the same run, or the tensor-core FLOPs
+of k experts a token at the bf16 product rate measured in the same run, whichever is longer.
+
+    python -m kernels.bench.moe_mxfp4            # 1, 64 and 1024 tokens
+    python -m kernels.bench.moe_mxfp4 --sweep    # also a grid of tiles a point, the best first
+    python -m kernels.bench.moe_mxfp4 --sweep --way decode --tokens 1024   # the other way, one point
+
+Both ways of dequantizing are timed: "dot_scaled" (`tl.dot_scaled`, the default for bf16) and
+"decode" (the kernel's own integer decode). Routing is uniform (random logits, top-k, softmax over
+the k). Everything runs in CUDA graphs (as the engine's decode does); `triton.testing.do_bench`
+medians, cold L2. Each point's output is checked against the bf16 op's (relative error < 2e-2).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+
+import torch
+
+from kernels.activation import swiglu_oai_and_mul
+from kernels.bench.moe import graph_us
+from kernels.fused_moe import fused_experts
+from kernels.fused_moe_mxfp4 import (MXFP4_BLOCK, MXFP4Weight, SwigluOAI, dequantize_mxfp4, fused_experts_mxfp4,
+                                     mxfp4_config)
+
+SHAPE = (128, 4, 2880, 2880)  # gpt-oss-120b: experts, per token, hidden, intermediate
+TOKENS = (1, 64, 1024)
+ACT = SwigluOAI(alpha=1.702, limit=7.0)
+# The sweep keeps the rule's row tile of each point (its band) and varies the rest.
+SWEEP = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
+         for n, k, w, s in itertools.product((32, 64, 128), (64, 128, 256), (2, 4, 8), (3, 4))]
+
+
+def mxfp4_weight(e: int, n: int, k: int, g: torch.Generator) -> MXFP4Weight:
+    """Random bytes and scales that keep outputs O(1): an e2m1 value is ~2.5 in size, 2^-s scales
+    it to ~k^-1/2."""
+    s = 127 - round(torch.log2(torch.tensor(2.5 * k ** 0.5)).item())
+    return MXFP4Weight(torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device="cuda", generator=g),
+                       torch.randint(s - 1, s + 2, (e, n, k // MXFP4_BLOCK), dtype=torch.uint8, device="cuda",
+                                     generator=g))
+
+
+def stored_bytes(w13: MXFP4Weight, w2: MXFP4Weight, b13: torch.Tensor, b2: torch.Tensor) -> int:
+    """One expert's bytes as stored."""
+    return sum(t[0].numel() * t.element_size() for t in (w13.blocks, w13.scales, w2.blocks, w2.scales, b13, b2))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kernels.bench.roofline import copy_bandwidth, matmul_rate
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    p.add_argument("--sweep", action="store_true", help="also time a grid of tiles at each point (slow)")
+    p.add_argument("--way", choices=["scaled", "decode"], default="scaled",
+                   help="the way --sweep times: tl.dot_scaled or the kernel's own decode (default: %(default)s)")
+    args = p.parse_args(argv)
+    bw, rate = copy_bandwidth("cuda"), matmul_rate("cuda")
+    print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s, bf16 products {rate / 1e12:.0f} TFLOP/s "
+          f"(same run); gpt-oss-120b experts {SHAPE}")
+    e, k, h, inter = SHAPE
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13, w2 = mxfp4_weight(e, 2 * inter, h, g), mxfp4_weight(e, h, inter, g)
+    b13 = torch.randn(e, 2 * inter, device="cuda", generator=g).to(torch.bfloat16) * 0.1
+    b2 = torch.randn(e, h, device="cuda", generator=g).to(torch.bfloat16) * 0.1
+    # The bf16 op's layout: gate rows, then up rows (ours keeps them interleaved), its own activation launch.
+    dense13 = dequantize_mxfp4(w13.blocks, w13.scales, torch.bfloat16)
+    dense13 = torch.cat([dense13[:, 0::2], dense13[:, 1::2]], 1).contiguous()
+    dense_b13 = torch.cat([b13[:, 0::2], b13[:, 1::2]], 1).contiguous()
+    dense2 = dequantize_mxfp4(w2.blocks, w2.scales, torch.bfloat16)
+    dense_act = functools.partial(swiglu_oai_and_mul, alpha=ACT.alpha, limit=ACT.limit)
+    per_expert = stored_bytes(w13, w2, b13, b2)
+    print(f"{'tokens':>6} {'experts':>7} {'MB read':>8} {'roofline':>9} {'dot_scaled':>10} {'decode':>8} {'bf16':>8} "
+          f"{'x roof':>6} {'vs bf16':>7}   (us; x roof and vs bf16 of the faster MXFP4 way)")
+    for t in args.tokens:
+        x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g)
+        top, ids = torch.rand(t, e, device="cuda", generator=g).topk(k, dim=1)
+        weights = torch.softmax(top, dim=1).to(torch.bfloat16)
+        dense = lambda: fused_experts(x, dense13, dense2, weights, ids, dense_act, dense_b13, b2)  # noqa: E731
+        ways = {sd: functools.partial(fused_experts_mxfp4, x, w13, w2, weights, ids, ACT, b13, b2, scaled_dot=sd)
+                for sd in (True, False)}
+        want = dense().float()
+        for sd, run in ways.items():
+            err = ((run().float() - want).norm() / want.norm()).item()
+            assert err < 2e-2, f"T={t} scaled_dot={sd}: relative error {err:.3g} against the bf16 op"
+        used = ids.unique().numel()
+        nbytes = used * per_expert + 2 * t * h * 2
+        roof = max(nbytes / bw, 2 * t * k * 3 * inter * h / rate) * 1e6
+        times = {sd: graph_us(run) for sd, run in ways.items()}
+        t_dense = graph_us(dense)
+        best = min(times.values())
+        print(f"{t:6} {used:7} {nbytes / 1e6:8.1f} {roof:9.1f} {times[True]:10.1f} {times[False]:8.1f} {t_dense:8.1f} "
+              f"{best / roof:6.2f} {t_dense / best:6.2f}x")
+        if args.sweep:
+            sweep(t, e, ways[args.way == "scaled"], times[args.way == "scaled"])
+    return 0
+
+
+def sweep(t: int, e: int, run, shipped: float) -> None:
+    """Every tile of SWEEP (with the rule's BLOCK_M) that compiles; the five fastest against the
+    shipped rule's."""
+    results = []
+    block_m = mxfp4_config(t * SHAPE[1], e)["BLOCK_M"]
+    for tiles in SWEEP:
+        cfg = dict(tiles, BLOCK_M=block_m)
+        try:
+            results.append((graph_us(functools.partial(run, config=cfg)), cfg))
+        except Exception as err:  # noqa: BLE001 (tiles that do not fit shared memory or registers)
+            print(f"    skipped {cfg}: {type(err).__name__}")
+    results.sort(key=lambda r: r[0])
+    print(f"    shipped rule {mxfp4_config(t * SHAPE[1], e)}: {shipped:.1f} us; fastest:")
+    for us, cfg in results[:5]:
+        print(f"    {us:8.1f} us  {cfg}")
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,273 @@
+"""Routed experts whose weights are MXFP4 (OCP microscaling FP4, gpt-oss's published checkpoints):
+the grouped GEMMs of `kernels.fused_moe` reading 4-bit weights and dequantizing them in registers.
+
+A weight [N, K] (rows of outputs, K the reduction) is kept as the checkpoint stores it:
+`blocks` [N, K/2] uint8, two e2m1 values a byte (the lower nibble the even element: K index 2j
+in bits 0-3, 2j + 1 in bits 4-7), and `scales` [N, K/32] uint8, one E8M0 exponent per 32
+consecutive elements along K: w[n, k] = e2m1(nibble) * 2^(scales[n, k // 32] - 127), e2m1 a
+sign bit, two exponent bits and one mantissa bit, the values 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their
+negatives (`FP4_VALUES`, transformers' table). 4.25 bits an element on the device.
+
+`fused_experts_mxfp4` is `fused_experts` with such weights and gpt-oss's activation (`SwigluOAI`):
+the same alignment of the (token, expert) pairs and the sum over k, the weights' tile turned into
+bf16 in registers before the tensor-core product. w13 keeps the checkpoint's rows, gate and up
+interleaved (row 2j the gate of column j, 2j + 1 its up), so that a tile of w13's rows holds whole
+(gate, up) pairs and the first launch applies the activation to its fp32 accumulator, writing
+[T*k, I]: two launches and the sum, no activation launch and no [T*k, 2I] buffer. Two ways to
+dequantize, a constexpr of the kernel:
+`tl.dot_scaled` (bf16 activations, e2m1 weights with their E8M0 scales: Triton lowers it to its
+own upcast and a bf16 product on GPUs without FP4 tensor cores, Hopper's included) and "decode"
+(the kernel's own: the nibbles decoded with integer ops into float32 bits, times the scale, cast to
+the activations' dtype, then `tl.dot`; any dtype, fp32 included; `DISTENGINE_MXFP4_DOT=decode`
+picks it for bf16 too). `fused_experts_mxfp4_ref` dequantizes the experts
+a batch chose, deinterleaves their gate/up rows and runs `fused_experts_ref` with
+`swiglu_oai_and_mul_ref` (the engine's path on CPU and the tests' oracle).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.activation import swiglu_oai_and_mul_ref
+from kernels.fused_moe import ROW_BANDS, _sum_over_k, fused_experts_ref, moe_align
+from kernels.paged_attention import _interpreter_bf16
+from kernels.pdl import pdl_args, pdl_wait
+
+__all__ = ["FP4_VALUES", "MXFP4_BLOCK", "MXFP4Weight", "SwigluOAI", "dequantize_mxfp4", "fused_experts_mxfp4",
+           "fused_experts_mxfp4_ref", "mxfp4_config"]
+
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MXFP4_BLOCK = 32  # elements along K that share one scale
+
+
+@dataclass(frozen=True)
+class MXFP4Weight:
+    """A stack of MXFP4 weights [E, N, K]: `blocks` [E, N, K/2] and `scales` [E, N, K/32], uint8."""
+
+    blocks: torch.Tensor
+    scales: torch.Tensor
+
+    def __post_init__(self) -> None:
+        b, s = self.blocks, self.scales
+        if b.dtype != torch.uint8 or s.dtype != torch.uint8:
+            raise TypeError(f"MXFP4 blocks and scales must be uint8, got {b.dtype} and {s.dtype}")
+        if b.dim() != 3 or s.dim() != 3 or tuple(b.shape[:2]) != tuple(s.shape[:2]) \
+                or b.shape[2] != s.shape[2] * MXFP4_BLOCK // 2:
+            raise ValueError(f"MXFP4 blocks [E, N, K/2] and scales [E, N, K/{MXFP4_BLOCK}] do not fit: "
+                             f"{tuple(b.shape)} and {tuple(s.shape)}")
+        if b.stride(-1) != 1 or s.stride(-1) != 1:
+            raise ValueError(f"MXFP4 blocks and scales need contiguous rows, got strides {b.stride()}, {s.stride()}")
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        e, n, half = self.blocks.shape
+        return e, n, 2 * half
+
+
+@dataclass(frozen=True)
+class SwigluOAI:
+    """gpt-oss's activation of a (gate, up) pair: g * sigmoid(alpha g) * (u + 1) with g = min(gate,
+    limit) and u = clamp(up, -limit, limit) (`kernels.activation.swiglu_oai_and_mul`)."""
+
+    alpha: float
+    limit: float
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """blocks [..., N, K/2], scales [..., N, K/32] -> [..., N, K] in `dtype` (exact in bf16, fp32 and
+    fp64: an e2m1 value times a power of two)."""
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    lut = torch.tensor(FP4_VALUES, dtype=wide, device=blocks.device)
+    values = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1).flatten(-2)
+    scale = torch.exp2(scales.to(wide) - 127)
+    return (values.unflatten(-1, (-1, MXFP4_BLOCK)) * scale[..., None]).flatten(-2).to(dtype)
+
+
+@triton.jit
+def _mxfp4_to_float(w, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N, BLOCK_K/2] packed bytes and [BLOCK_N, BLOCK_K/32] E8M0 scales -> [BLOCK_N, BLOCK_K]
+    float32. An e2m1 magnitude m (3 bits) is 0, 0.5 for m = 1, else 2^(m>>1 - 1) (1 + (m&1)/2):
+    its float32 bits are (m << 22) + (126 << 23) from m = 2 on, m * (126 << 23) below."""
+    nib = tl.join(w & 0x0F, w >> 4).reshape(BLOCK_N, BLOCK_K).to(tl.uint32)
+    mag = nib & 7
+    bits = tl.where(mag >= 2, (mag << 22) + 0x3F000000, mag * 0x3F000000) | ((nib & 8) << 28)
+    s32 = s.to(tl.uint32)
+    # E8M0 byte 0 is 2^-127, a float32 subnormal (its bits are not 0 << 23)
+    scale = tl.where(s32 == 0, 0x00400000, s32 << 23).to(tl.float32, bitcast=True)
+    scale = tl.broadcast_to(scale[:, :, None], (BLOCK_N, BLOCK_K // 32, 32)).reshape(BLOCK_N, BLOCK_K)
+    return bits.to(tl.float32, bitcast=True) * scale
+
+
+@triton.jit(do_not_specialize=["num_rows"])  # T*k changes with every prefill's length
+def _moe_mxfp4_gemm_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, rows_ptr, bexp_ptr, N, K, num_rows,
+                           stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_cm, alpha, limit,
+                           A_ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_ROUTED: tl.constexpr,
+                           SWIGLU: tl.constexpr, SCALED_DOT: tl.constexpr, DOT_F32: tl.constexpr,
+                           PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] tile of c[rows] = a[rows // A_ROW_DIV] @ w[e]^T (+ b[e]) (* rw[rows])
+    for the tile's expert e, w[e] MXFP4 (K a multiple of 32). With SWIGLU the tile's columns are
+    (gate, up) pairs and [BLOCK_M, BLOCK_N / 2] of gpt-oss's activation of them is written."""
+    pdl_wait(PDL)
+    pid_m = tl.program_id(0)
+    expert = tl.load(bexp_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+    rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = rows < num_rows
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    rk = tl.arange(0, BLOCK_K)
+    rb = tl.arange(0, BLOCK_K // 2)
+    rs = tl.arange(0, BLOCK_K // 32)
+    a_rows = a_ptr + (rows // A_ROW_DIV).to(tl.int64)[:, None] * stride_am
+    w_rows = w_ptr + expert * stride_we + rn.to(tl.int64) * stride_wn
+    s_rows = s_ptr + expert * stride_se + rn.to(tl.int64) * stride_sn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k in range(0, K, BLOCK_K):
+        kk = k + rk
+        a = tl.load(a_rows + kk[None, :], mask=row_ok[:, None] & (kk < K)[None, :], other=0.0)
+        kb = k // 2 + rb
+        ks = k // 32 + rs
+        s = tl.load(s_rows[:, None] + ks[None, :], mask=n_ok[:, None] & (ks < K // 32)[None, :], other=127)
+        if SCALED_DOT:  # the weights as the product's [K/2, N] right operand
+            w = tl.load(w_rows[None, :] + kb[:, None], mask=n_ok[None, :] & (kb < K // 2)[:, None], other=0)
+            acc = tl.dot_scaled(a, None, "bf16", w, s, "e2m1", acc, fast_math=True)  # (no E8M0 NaN checks)
+        else:
+            w = tl.load(w_rows[:, None] + kb[None, :], mask=n_ok[:, None] & (kb < K // 2)[None, :], other=0)
+            wf = _mxfp4_to_float(w, s, BLOCK_N, BLOCK_K)
+            if DOT_F32:
+                a = a.to(tl.float32)
+            else:
+                wf = wf.to(a.dtype)
+            acc = tl.dot(a, tl.trans(wf), acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + expert * stride_be + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if MUL_ROUTED:
+        acc *= tl.load(rw_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    if SWIGLU:
+        gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit) + 1.0
+        out = gate / (1.0 + tl.exp(-alpha * gate)) * up
+        cols = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :], out.to(c_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (cols < N // 2)[None, :])
+    else:
+        tl.store(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & n_ok[None, :])
+
+
+def mxfp4_config(num_pairs: int, num_experts: int, itemsize: int = 2) -> dict:
+    """Tiles by the rows each expert gets (pairs / E), in `moe_config`'s bands. Every band reads
+    128 elements (64 bytes and 4 scales) of a weight row a step: a decode step's tiles are mostly
+    padding rows, so 16-row tiles; 64-row weight tiles give a batch-1 step of gpt-oss-120b 360
+    programs for its 4 experts' gate/up rows and 180 for their down rows (132 SMs). Prefill
+    steps (over 64 rows an expert) 128 x 128 tiles: 8 warps dequantize a 128 x 128 weight tile
+    (the upcast runs once per tile of rows, so larger row tiles amortise it). 4-byte activations
+    (fp32 tests) keep 64 x 64 x 64 tiles past 24 rows, whose stages and decoded fp32 weight tile
+    fit in shared memory."""
+    rows = num_pairs / num_experts
+    if rows <= ROW_BANDS[0]:
+        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+    if rows <= ROW_BANDS[1]:
+        return {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+    if itemsize > 2:
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}
+    if rows <= ROW_BANDS[2]:
+        return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}
+
+
+def _use_scaled_dot(x: torch.Tensor, scaled_dot: bool | None) -> bool:
+    """`tl.dot_scaled` for bf16 activations unless DISTENGINE_MXFP4_DOT=decode (for comparisons)."""
+    if scaled_dot is None:
+        return x.dtype == torch.bfloat16 and os.environ.get("DISTENGINE_MXFP4_DOT", "scaled") != "decode"
+    if scaled_dot and x.dtype != torch.bfloat16:
+        raise TypeError(f"tl.dot_scaled takes bf16 activations here, got {x.dtype}")
+    return scaled_dot
+
+
+def _grouped_gemm_mxfp4(a, w: MXFP4Weight, b, rows, block_expert, out, routed, a_row_div: int, cfg: dict,
+                        scaled_dot: bool, act: SwigluOAI | None = None) -> None:
+    """One launch: out[rows] = a[rows // a_row_div] @ w[e]^T (+ b) (* routed), or with `act` the
+    activation of its (gate, up) column pairs (out [rows, N / 2])."""
+    _, n, k = w.shape
+    if cfg["BLOCK_K"] % MXFP4_BLOCK:
+        raise ValueError(f"BLOCK_K must be a multiple of {MXFP4_BLOCK}, got {cfg['BLOCK_K']}")
+    if act is not None and (routed is not None or n % 2):
+        raise ValueError("the fused activation takes (gate, up) row pairs and no routing weights")
+    grid = (block_expert.numel(), triton.cdiv(n, cfg["BLOCK_N"]))
+    _moe_mxfp4_gemm_kernel[grid](
+        a, w.blocks, w.scales, b if b is not None else a, out, routed if routed is not None else out, rows,
+        block_expert, n, k, out.shape[0], a.stride(0), w.blocks.stride(0), w.blocks.stride(1), w.scales.stride(0),
+        w.scales.stride(1), b.stride(0) if b is not None else 0, out.stride(0),
+        act.alpha if act is not None else 0.0, act.limit if act is not None else 0.0, A_ROW_DIV=a_row_div,
+        HAS_BIAS=b is not None, MUL_ROUTED=routed is not None, SWIGLU=act is not None, SCALED_DOT=scaled_dot,
+        DOT_F32=_interpreter_bf16(a), PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], **pdl_args(a))
+
+
+def _check(x, w13: MXFP4Weight, w2: MXFP4Weight, topk_weights, topk_ids, b13, b2) -> None:
+    if not isinstance(w13, MXFP4Weight) or not isinstance(w2, MXFP4Weight):
+        raise TypeError("w13 and w2 must be MXFP4Weight (blocks and scales)")
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, H], got {tuple(x.shape)}")
+    e, two_i, h = w13.shape
+    if h != x.shape[1] or tuple(w2.shape[:2]) != (e, h) or two_i != 2 * w2.shape[2]:
+        raise ValueError(f"expert shapes do not fit: x {tuple(x.shape)}, w13 {w13.shape} (want [E, 2I, "
+                         f"{x.shape[1]}]), w2 {w2.shape} (want [{e}, {h}, I])")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids and topk_weights must both be [{x.shape[0]}, k], got "
+                         f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
+    if b13 is not None and tuple(b13.shape) != (e, two_i) or b2 is not None and tuple(b2.shape) != (e, h):
+        raise ValueError(f"biases must be [{e}, {two_i}] and [{e}, {h}]")
+
+
+def fused_experts_mxfp4(x: torch.Tensor, w13: MXFP4Weight, w2: MXFP4Weight, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor, act: SwigluOAI, b13: torch.Tensor | None = None,
+                        b2: torch.Tensor | None = None, config: dict | None = None,
+                        scaled_dot: bool | None = None) -> torch.Tensor:
+    """`fused_experts` with MXFP4 w13 [E, 2I, H] (gate and up rows interleaved, as gpt-oss's
+    checkpoints) and w2 [E, H, I] (H and I multiples of 32), gpt-oss's activation `act`; biases
+    in x's dtype (b13 interleaved as w13's rows). `scaled_dot` (default: for bf16 x) picks
+    `tl.dot_scaled` over the kernel's own decode."""
+    _check(x, w13, w2, topk_weights, topk_ids, b13, b2)
+    use_scaled = _use_scaled_dot(x, scaled_dot)
+    t, k = topk_ids.shape
+    e, two_i, h = w13.shape
+    if t == 0:
+        return x.new_zeros((0, h))
+    cfg = config or mxfp4_config(t * k, e, x.element_size())
+    rows, block_expert = moe_align(topk_ids, e, cfg["BLOCK_M"])
+    x = x if x.stride(1) == 1 else x.contiguous()
+    routed = topk_weights.reshape(-1).contiguous()
+    inter = torch.empty((t * k, two_i // 2), dtype=x.dtype, device=x.device)
+    _grouped_gemm_mxfp4(x, w13, b13, rows, block_expert, inter, None, k, cfg, use_scaled, act)
+    out = torch.empty((t * k, h), dtype=x.dtype, device=x.device)
+    _grouped_gemm_mxfp4(inter, w2, b2, rows, block_expert, out, routed, 1, cfg, use_scaled)
+    return _sum_over_k(out, t, k)
+
+
+def _halves(t: torch.Tensor) -> torch.Tensor:
+    """Rows [g0 u0 g1 u1 ...] -> [g0 g1 ... u0 u1 ...] (dim 1)."""
+    return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
+
+
+def fused_experts_mxfp4_ref(x: torch.Tensor, w13: MXFP4Weight, w2: MXFP4Weight, topk_weights: torch.Tensor,
+                            topk_ids: torch.Tensor, act: SwigluOAI, b13: torch.Tensor | None = None,
+                            b2: torch.Tensor | None = None) -> torch.Tensor:
+    """The experts that some token chose, dequantized to x's dtype (exactly), their gate/up rows
+    deinterleaved, through `fused_experts_ref` and `swiglu_oai_and_mul_ref`."""
+    _check(x, w13, w2, topk_weights, topk_ids, b13, b2)
+    used, ids = torch.unique(topk_ids, return_inverse=True)
+    gate_up = _halves(dequantize_mxfp4(w13.blocks[used], w13.scales[used], x.dtype))
+    down = dequantize_mxfp4(w2.blocks[used], w2.scales[used], x.dtype)
+    return fused_experts_ref(x, gate_up, down, topk_weights, ids.reshape(topk_ids.shape),
+                             lambda h: swiglu_oai_and_mul_ref(h, act.alpha, act.limit),
+                             _halves(b13[used]) if b13 is not None else None, b2[used] if b2 is not None else None)

@@ -1,0 +1,166 @@
+"""The MXFP4 experts' kernels (`kernels/fused_moe_mxfp4.py`): the dequantization against
+transformers' `convert_moe_packed_tensors` and the e2m1 formula, both ways of dequantizing in the
+grouped GEMM (`tl.dot_scaled`, the integer decode) against a float64 loop over tokens and their
+experts (on CPU under TRITON_INTERPRET=1, natively on a GPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.fused_moe import moe_align, tokens_per_tile_band
+from kernels.fused_moe_mxfp4 import (FP4_VALUES, MXFP4Weight, SwigluOAI, _grouped_gemm_mxfp4, dequantize_mxfp4,
+                                     fused_experts_mxfp4, fused_experts_mxfp4_ref, mxfp4_config)
+from tests.conftest import DEVICE
+from tests.test_kernels_moe import rel_err, routing
+
+ALPHA, LIMIT = 1.702, 1.5  # a limit that binds on these weights
+ACT = SwigluOAI(ALPHA, LIMIT)
+TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-5}
+SMALL = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}
+LARGE = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}
+
+
+def mxfp4_weight(e: int, n: int, k: int, seed: int, scales: tuple[int, int] = (120, 124)) -> MXFP4Weight:
+    """Random bytes (every e2m1 value) and scales 2^(scales - 127)."""
+    g = torch.Generator().manual_seed(seed)
+    return MXFP4Weight(torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, generator=g).to(DEVICE),
+                       torch.randint(*scales, (e, n, k // 32), dtype=torch.uint8, generator=g).to(DEVICE))
+
+
+def oracle(x, w13: MXFP4Weight, w2: MXFP4Weight, weights, ids, b13, b2) -> torch.Tensor:
+    """sum_j w[t, j] (W2 act(W13 x[t] + b13) + b2), all in float64, token by token; W13's rows
+    (gate, up) pairs, gpt-oss's activation written out here."""
+    w13f, w2f = (dequantize_mxfp4(w.blocks, w.scales, torch.float64) for w in (w13, w2))
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            h = w13f[e] @ x[t].double() + b13[e].double()
+            gate, up = h[0::2].clamp(max=LIMIT), h[1::2].clamp(-LIMIT, LIMIT)
+            h = gate * torch.sigmoid(ALPHA * gate) * (up + 1)
+            out[t] += weights[t, j].double() * (w2f[e] @ h + b2[e].double())
+    return out
+
+
+def test_dequantize_is_transformers_and_the_e2m1_formula():
+    """Every byte (both nibbles) under every finite E8M0 scale but 2^-127: transformers' table and
+    nibble order, and value = (-1)^s 2^(e - 1) (1 + m / 2) (e > 0), m / 2 (e = 0), times 2^(scale - 127)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    blocks = torch.arange(256, dtype=torch.uint8).repeat(254).reshape(1, 254, 16, 16)
+    scales = torch.arange(1, 255, dtype=torch.uint8)[None, :, None].expand(1, 254, 16).contiguous()
+    ours = dequantize_mxfp4(blocks.flatten(2), scales, torch.float32)
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2)
+    assert torch.equal(ours, theirs)
+    nib = torch.arange(16)
+    s, e, m = nib >> 3, (nib >> 1) & 3, nib & 1
+    values = (1 - 2 * s) * torch.where(e > 0, 2.0 ** (e - 1) * (1 + m / 2), m / 2)
+    assert values.tolist() == list(FP4_VALUES)
+    byte = torch.tensor([[[0x7A]]], dtype=torch.uint8)  # low nibble 0xA = -1 (even element), high 0x7 = 6
+    assert dequantize_mxfp4(byte.expand(1, 1, 16).contiguous(), torch.tensor([[[128]]], dtype=torch.uint8))[
+        0, 0, :2].tolist() == [-2.0, 12.0]
+
+
+@pytest.mark.parametrize("dtype,scaled_dot", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, False)],
+                         ids=["bf16-dot_scaled", "bf16-decode", "fp32-decode"])
+@pytest.mark.parametrize("t,e,k,h,inter,cfg", [
+    (1, 8, 2, 64, 32, SMALL),  # a decode step: every tile mostly padding
+    (7, 6, 3, 96, 64, SMALL),  # H = 96: a partial K step (BLOCK_K 64) and masked N columns
+    (37, 4, 2, 64, 96, LARGE),  # 64-row tiles, experts with many rows
+    (40, 3, 2, 64, 32, None),  # the default tile rule (64-row tiles: 27 rows an expert)
+])
+def test_fused_experts_mxfp4_against_a_float64_loop(dtype, scaled_dot, t, e, k, h, inter, cfg):
+    g = torch.Generator().manual_seed(t + e)
+    x = torch.randn(t, h, generator=g).to(DEVICE, dtype)
+    w13, w2 = mxfp4_weight(e, 2 * inter, h, seed=e), mxfp4_weight(e, h, inter, seed=e + 1)
+    weights, ids = routing(t, e, k, seed=t, skip=(0,))  # expert 0 unused: its weights never read
+    w13.scales[0], w2.scales[0] = 255, 255  # (E8M0 NaN)
+    b13 = (torch.randn(e, 2 * inter, generator=g) * 0.5).to(DEVICE, dtype)
+    b2 = (torch.randn(e, h, generator=g) * 0.5).to(DEVICE, dtype)
+    ref = oracle(x, w13, w2, weights, ids, b13, b2)
+    got = fused_experts_mxfp4(x, w13, w2, weights.to(dtype), ids, ACT, b13, b2, config=cfg, scaled_dot=scaled_dot)
+    assert got.shape == (t, h) and got.dtype == dtype
+    assert rel_err(got, ref) < TOL[dtype]
+    if scaled_dot:  # (once a shape) the torch reference, the engine's CPU path
+        assert rel_err(fused_experts_mxfp4_ref(x, w13, w2, weights.to(dtype), ids, ACT, b13, b2), ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("fused_act", [False, True], ids=["down", "gate_up"])
+@pytest.mark.parametrize("scaled_dot", [True, False], ids=["dot_scaled", "decode"])
+def test_grouped_gemm_writes_each_pair_row_once_and_nothing_else(scaled_dot, fused_act):
+    """One launch into a NaN-poisoned output whose rows are views of wider rows: the down GEMM
+    (routing weights, a bias) or the gate/up GEMM with the activation of its (gate, up) row pairs
+    fused (a bias, each token's row read for its k pairs): each pair's row is its expert's result,
+    the columns beside it untouched."""
+    t, e, k, kdim, n = 6, 5, 2, 96, 40
+    g = torch.Generator().manual_seed(7)
+    a = torch.randn(t if fused_act else t * k, kdim, generator=g).to(DEVICE, torch.bfloat16)
+    w = mxfp4_weight(e, n, kdim, seed=2)
+    b = torch.randn(e, n, generator=g).to(DEVICE, torch.bfloat16)
+    weights, ids = routing(t, e, k, seed=3)
+    rows, block_expert = moe_align(ids, e, SMALL["BLOCK_M"])
+    cols = n // 2 if fused_act else n
+    wide = torch.full((t * k, cols + 3), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+    out = wide[:, :cols]
+    if fused_act:
+        _grouped_gemm_mxfp4(a, w, b, rows, block_expert, out, None, k, SMALL, scaled_dot, ACT)
+    else:
+        _grouped_gemm_mxfp4(a, w, b, rows, block_expert, out, weights.reshape(-1), 1, SMALL, scaled_dot)
+    wf = dequantize_mxfp4(w.blocks, w.scales, torch.float64)
+    flat = ids.flatten()
+    for p in range(t * k):
+        h = wf[flat[p]] @ a[p // k if fused_act else p].double() + b[flat[p]].double()
+        if fused_act:
+            gate, up = h[0::2].clamp(max=LIMIT), h[1::2].clamp(-LIMIT, LIMIT)
+            want = gate * torch.sigmoid(ALPHA * gate) * (up + 1)
+        else:
+            want = h * weights.reshape(-1)[p].double()
+        assert rel_err(out[p], want) < 1e-2, p
+    assert torch.isnan(wide[:, cols:]).all(), "wrote outside the output rows"
+
+
+def test_default_tiles_of_every_band_and_refusals():
+    """The tiles `fused_experts_mxfp4` picks itself, one batch in each band (prefill's 128-row
+    tiles included), against the float64 loop; bad weights refused."""
+    e, k, h, inter = 4, 2, 64, 32
+    w13, w2 = mxfp4_weight(e, 2 * inter, h, seed=5), mxfp4_weight(e, h, inter, seed=6)
+    b13, b2 = torch.zeros(e, 2 * inter, device=DEVICE), torch.zeros(e, h, device=DEVICE)
+    assert [mxfp4_config(t * k, e)["BLOCK_M"] for t in tokens_per_tile_band(e, k)] == [16, 32, 64, 128]
+    assert [mxfp4_config(t * k, e, itemsize=4)["BLOCK_M"] for t in tokens_per_tile_band(e, k)] == [16, 32, 64, 64]
+    for t in tokens_per_tile_band(e, k)[::3]:
+        x = torch.randn(t, h, generator=torch.Generator().manual_seed(t)).to(DEVICE, torch.bfloat16)
+        weights, ids = routing(t, e, k, seed=t)
+        out = fused_experts_mxfp4(x, w13, w2, weights.bfloat16(), ids, ACT, b13.bfloat16(), b2.bfloat16())
+        assert rel_err(out, oracle(x, w13, w2, weights, ids, b13, b2)) < TOL[torch.bfloat16], t
+    with pytest.raises(TypeError, match="uint8"):
+        MXFP4Weight(w13.blocks.to(torch.int16), w13.scales)
+    with pytest.raises(ValueError, match="do not fit"):
+        MXFP4Weight(w13.blocks, w13.scales[:, :, :1])
+    x = torch.zeros(3, h, device=DEVICE)
+    weights, ids = routing(3, e, k, seed=0)
+    with pytest.raises(ValueError, match="expert shapes do not fit"):
+        fused_experts_mxfp4(x, w2, w13, weights, ids, ACT)
+    with pytest.raises(TypeError, match="dot_scaled takes bf16"):
+        fused_experts_mxfp4(x, w13, w2, weights, ids, ACT, scaled_dot=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scaled_dot", [True, False], ids=["dot_scaled", "decode"])
+def test_gpt_oss_widths_against_the_bf16_op(scaled_dot):
+    """gpt-oss's widths (H = I = 2880: a partial 128-wide K step) with the tiles of every band,
+    against `fused_experts` on the same weights dequantized to bf16."""
+    from kernels.activation import swiglu_oai_and_mul
+    from kernels.fused_moe import fused_experts
+    e, k, h, inter = 8, 4, 2880, 2880
+    w13, w2 = mxfp4_weight(e, 2 * inter, h, seed=0, scales=(119, 122)), mxfp4_weight(e, h, inter, seed=1,
+                                                                                      scales=(119, 122))
+    g = torch.Generator().manual_seed(2)
+    b13, b2 = (torch.randn(e, n, generator=g).to(DEVICE, torch.bfloat16) * 0.1 for n in (2 * inter, h))
+    dense13, dense2 = (dequantize_mxfp4(w.blocks, w.scales, torch.bfloat16) for w in (w13, w2))
+    halves = lambda t: torch.cat([t[:, 0::2], t[:, 1::2]], 1).contiguous()  # noqa: E731 (the bf16 op's layout)
+    act = lambda h: swiglu_oai_and_mul(h, ALPHA, LIMIT)  # noqa: E731
+    for t in tokens_per_tile_band(e, k):
+        x = torch.randn(t, h, generator=g).to(DEVICE, torch.bfloat16)
+        weights, ids = routing(t, e, k, seed=t)
+        want = fused_experts(x, halves(dense13), dense2, weights.bfloat16(), ids, act, halves(b13), b2)
+        got = fused_experts_mxfp4(x, w13, w2, weights.bfloat16(), ids, ACT, b13, b2, scaled_dot=scaled_dot)
+        assert rel_err(got, want.double()) < 1e-2, t
