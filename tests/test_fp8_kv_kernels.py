@@ -128,6 +128,7 @@ def _stored(fn, k, v, slots, scales, shape) -> torch.Tensor:
 def test_store_ref_quantizes_saturates_and_skips_hits():
     k, v, slots, scales, shape = _store_case(exact=False, dtype=torch.float32)
     got = _stored(store_kv_ref, k, v, slots, scales, shape).view(FP8_DTYPE).float()
+    k, v, scales = k.cpu(), v.cpu(), [s.cpu() for s in scales]  # `_stored` hands the cache back on the CPU
     for t, s in enumerate(slots.tolist()):
         blk, off = divmod(s, shape[2])
         if s < 0:
