@@ -106,7 +106,7 @@ def main() -> int:
         read = min(length, window) if window else length
         nbytes = batch * read * HKV * D * 2 * kv.element_size()
         ref = paged_attention(q, kv, table, qsl, lens, 1, length, D ** -0.5, sliding_window=window, **SCALES)
-        base_cfg = default_config(1, D, HQ // HKV, BS, window, length)
+        base_cfg = default_config(1, D, HQ // HKV, BS, window, length, fp8=kv.element_size() == 1)
         base_splits = choose_num_splits(batch, HKV, length, _num_sms(q.device), base_cfg["TILE_N"],
                                         max_splits=8 if D > 256 else 32)
         results = []

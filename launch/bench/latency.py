@@ -85,7 +85,7 @@ def run(args) -> int:
           f"{f' x n={args.n}' if args.n > 1 else ''}; "
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 product {matmul / 1e12:.0f} TFLOP/s (same run); "
           f"weights per rank {info['weight_bytes'] / 1e9:.2f} GB as stored"
-          f"{' (FP8 linear weights)' if info['quantization'] or _quantized(model) else ''}; KV cache "
+          f"{_stored_format(info['quantization'], model)}; KV cache "
           f"{info['kv_cache_dtype']} ({rf.kv_dtype_bytes} B an element, as the roofline counts it); "
           f"CUDA graphs: {bool(info['cuda_graphs'])}")
     rows = [("batch / figure", "ours", "roofline", "ours/roofline")]
@@ -111,10 +111,13 @@ def run(args) -> int:
     return 0
 
 
-def _quantized(model: str) -> bool:
+def _stored_format(option: str | None, model: str) -> str:
+    """What the weights' stored bytes are, beside the model dtype: the checkpoint's quant_method."""
     from distengine.hf_config import read_model_config
     from distengine.quantization import quantization_dict
-    return quantization_dict(read_model_config(model).to_dict()) is not None
+    quant = quantization_dict(read_model_config(model).to_dict())
+    method = option or (quant or {}).get("quant_method")
+    return f" ({method}-quantized)" if method else ""
 
 
 def _vocab(model: str) -> int:
