@@ -117,14 +117,18 @@ def test_hybrid_prefix_hits_preemption_and_chunking_give_transformers_tokens(tmp
         assert [o.outputs[0].token_ids for o in outs] == want[params.max_tokens], what
 
 
-@pytest.mark.parametrize("name", ["llama4", "llama4_vl"])
-def test_chunked_local_prefix_hits_preemption_and_chunking_give_transformers_tokens(tmp_path_factory, ray_cluster,
-                                                                                    name):
-    """Llama-4's chunked-local layers (chunks of 8 tokens) beside its global NoPE layers and its
-    experts: requests sharing a prefix hit it (num_cached_tokens > 0) and produce transformers'
-    tokens; so do no prefix caching, a pool small enough to preempt requests that grow past many
-    chunks, a token budget small enough to chunk prompts across attention chunks, and TP=2 (with
-    chunked prefill)."""
+# Llama-4: chunked-local layers (chunks of 8 tokens) beside global NoPE layers and experts; the
+# shared 26 tokens hit in whole 4-token blocks of every group (24). Gemma 4: layers of two page
+# sizes (sliding: 2 KV heads of 16; full: 1 of 32 with k_eq_v, 2 of 32 without), the KV-sharing
+# layers reading their targets' pages (gemma4), per-layer inputs, experts (gemma4_moe); its
+# sliding groups bound the hit (> 0).
+@pytest.mark.parametrize("name, hit", [("llama4", 24), ("llama4_vl", 24), ("gemma4", None), ("gemma4_vl", None),
+                                       ("gemma4_moe", None)])
+def test_prefix_hits_preemption_and_chunking_give_transformers_tokens(tmp_path_factory, ray_cluster, name, hit):
+    """Requests sharing a prefix hit it (num_cached_tokens > 0) and produce transformers' tokens;
+    so do no prefix caching, a pool small enough to preempt requests that grow past many chunks or
+    windows, a token budget small enough to chunk prompts, and TP=2 (with chunked prefill; a
+    single KV head replicated)."""
     hf, folder = _folder(tmp_path_factory, name)
     kw = dict(device="cpu", dtype="float32", block_size=4, max_model_len=160)
     prompts = _prompts(4, shared=26, seed=3)
@@ -140,52 +144,11 @@ def test_chunked_local_prefix_hits_preemption_and_chunking_give_transformers_tok
         plan = llm.plan
         outs = run(llm)
         assert outs[0].num_cached_tokens == 0
-        assert all(o.num_cached_tokens == 24 for o in outs[1:]), [o.num_cached_tokens for o in outs]
+        cached = [o.num_cached_tokens for o in outs[1:]]
+        assert all(c == hit if hit is not None else c > 0 for c in cached), cached
         assert [o.outputs[0].token_ids for o in outs] == want[12]
     # A pool that holds one request of max_model_len at its peak (prefill chunks of 16 tokens, the
     # chunked layers' groups holding a chunk beside their attention chunk) and not two.
-    pool = sum(plan.peak_blocks_per_group(160, 16)) + 1
-    runs = {
-        "no prefix caching": (dict(enable_prefix_caching=False), GREEDY),
-        "tiny pool (preemption)": (dict(num_gpu_blocks_override=pool, max_num_batched_tokens=16), longer),
-        "tiny token budget (chunked prefill)": (dict(max_num_batched_tokens=11), GREEDY),
-        "TP=2, chunked": (dict(tensor_parallel_size=2, max_num_batched_tokens=13), GREEDY),
-    }
-    for what, (extra, params) in runs.items():
-        with LLM(folder, **{**kw, **extra}) as llm:
-            outs = run(llm, params)
-            if "preemption" in what:
-                assert llm.stats().preemptions > 0, what
-            if "chunked" in what:
-                assert outs[-1].num_cached_tokens > 0, what
-        assert [o.outputs[0].token_ids for o in outs] == want[params.max_tokens], what
-
-
-@pytest.mark.parametrize("name", ["gemma4", "gemma4_vl", "gemma4_moe"])
-def test_gemma4_prefix_hits_preemption_and_chunking_give_transformers_tokens(tmp_path_factory, ray_cluster, name):
-    """Gemma 4's layers of two page sizes (sliding: 2 KV heads of 16; full: 1 of 32 with k_eq_v,
-    2 of 32 without), the KV-sharing layers reading their targets' pages (gemma4) and the
-    per-layer inputs: requests sharing a prefix hit it and produce transformers' tokens; so do no
-    prefix caching, a pool small enough to preempt requests that grow past many windows, a token
-    budget small enough to chunk prompts, and TP=2 (the full layers' single KV head replicated)."""
-    hf, folder = _folder(tmp_path_factory, name)
-    kw = dict(device="cpu", dtype="float32", block_size=4, max_model_len=160)
-    prompts = _prompts(4, shared=26, seed=3)
-    longer = SamplingParams(temperature=0.0, max_tokens=160 - max(map(len, prompts)), ignore_eos=True)
-    want = {n: [_hf_greedy(hf, p, n) for p in prompts] for n in (12, longer.max_tokens)}
-
-    def run(llm, params=GREEDY):
-        # The first request alone: the others find its prefix cached.
-        first = llm.generate({"prompt_token_ids": prompts[0]}, params, use_tqdm=False)
-        return first + llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], params, use_tqdm=False)
-
-    with LLM(folder, **kw) as llm:
-        plan = llm.plan
-        outs = run(llm)
-        assert outs[0].num_cached_tokens == 0
-        assert all(o.num_cached_tokens > 0 for o in outs[1:]), [o.num_cached_tokens for o in outs]
-        assert [o.outputs[0].token_ids for o in outs] == want[12]
-    # A pool that holds one request of max_model_len at its peak (prefill chunks of 16) and not two.
     pool = sum(plan.peak_blocks_per_group(160, 16)) + 1
     runs = {
         "no prefix caching": (dict(enable_prefix_caching=False), GREEDY),

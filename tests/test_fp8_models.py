@@ -212,10 +212,12 @@ def test_a_tp_split_that_cuts_a_scale_block_is_refused_when_the_layer_is_built()
             RowParallelLinear(384, 256, False, _Rank(2, 1), torch.float32, cpu, "model.layers.0.mlp.down_proj")
 
 
-def test_fused_parts_quantized_apart_and_cohere2_are_refused():
+def test_fused_parts_quantized_apart_and_families_fp8_does_not_serve_are_refused():
     from distengine.quantization import read_quantization_config
     from workers.layers.linear import QKVParallelLinear, quantized_linears
     from workers.models.cohere2 import Cohere2ForCausalLM
+    from workers.models.jamba import JambaForCausalLM
+    from workers.models.llama4 import Llama4ForCausalLM
     from workers.parallel import TPGroup
     cpu = torch.device("cpu")
     q_left_out = read_quantization_config({"quantization_config": {
@@ -226,6 +228,11 @@ def test_fused_parts_quantized_apart_and_cohere2_are_refused():
     config = transformers.Cohere2Config(**{**TINY, "head_dim": 64})
     with quantized_linears(q_left_out), pytest.raises(ValueError, match="Cohere2: FP8 checkpoints are not supported"):
         Cohere2ForCausalLM(config, TPGroup(), torch.float32, cpu)
+    fp8 = read_quantization_config({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})
+    for family, cls, config in (("Llama-4", Llama4ForCausalLM, transformers.Llama4TextConfig(**TINY)),
+                                ("Jamba", JambaForCausalLM, transformers.JambaConfig(**TINY))):
+        with quantized_linears(fp8), pytest.raises(ValueError, match=f"{family}: FP8 checkpoints are not supported"):
+            cls(config, TPGroup(), torch.float32, cpu)
 
 
 @pytest.mark.parametrize("tensor,stored,message", [

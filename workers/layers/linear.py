@@ -47,6 +47,13 @@ def linear_quantization() -> QuantizationConfig | None:
     return _QUANTIZATION.get()
 
 
+def refuse_fp8(family: str, why: str) -> None:
+    """A model family whose layers FP8 does not serve yet refuses an FP8 checkpoint, saying why
+    (the other quantizations are refused before any model is built)."""
+    if linear_quantization() is not None:
+        raise ValueError(f"{family}: FP8 checkpoints are not supported yet ({why})")
+
+
 @dataclass(frozen=True)
 class Fp8Layout:
     """How an FP8 linear keeps its scales: `scale_name` (the checkpoint's tensor name), `block`

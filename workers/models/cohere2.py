@@ -22,7 +22,7 @@ from torch import nn
 
 from distengine.model_config import SLIDING
 from workers.layers.attention import AttentionMetadata
-from workers.layers.linear import linear_quantization
+from workers.layers.linear import refuse_fp8
 from workers.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 
@@ -77,9 +77,7 @@ class Cohere2ForCausalLM(LlamaForCausalLM):
     decoder_layer_cls = Cohere2DecoderLayer
 
     def __init__(self, config, tp, dtype, device, max_positions: int | None = None) -> None:
-        if linear_quantization() is not None:
-            raise ValueError("Cohere2: FP8 checkpoints are not supported yet (q/k rows are reordered at load; "
-                             "their scales would need the same)")
+        refuse_fp8("Cohere2", "q/k rows are reordered at load; their scales would need the same")
         super().__init__(config, tp, dtype, device, max_positions)
 
     def final_norm(self, config, dtype, device) -> nn.Module:

@@ -29,6 +29,7 @@ import re
 import torch
 from torch import nn
 
+from workers.layers.linear import refuse_fp8
 from workers.layers.mamba1 import MambaMixer1
 from workers.layers.moe import FusedMoE, Router
 from workers.models.hybrid import HybridDecoderLayer, HybridForCausalLM, HybridModel
@@ -77,11 +78,7 @@ class JambaForCausalLM(HybridForCausalLM):
 
     def __init__(self, config, tp: TPGroup, dtype: torch.dtype, device: torch.device,
                  max_positions: int | None = None) -> None:
-        quant = getattr(config, "quantization_config", None) or {}
-        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-        if method:
-            raise ValueError(f"Jamba: {method!r}-quantized checkpoints are not supported yet (quantized weights are "
-                             f"not built): use a bf16 checkpoint")
+        refuse_fp8("Jamba", "FP8 serves neither its experts nor its Mamba-1 projections: use a bf16 checkpoint")
         super().__init__(config, tp, dtype, device, max_positions)
 
     def rope_caches(self, config, kinds, device):

@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from workers.layers.attention import AttentionMetadata
+from workers.layers.linear import refuse_fp8
 from workers.layers.moe import FusedMoE, Router
 from workers.models.base import DecoderForCausalLM, multimodal_shapes, text_name
 from workers.models.cohere2 import interleaved_to_neox
@@ -167,12 +168,7 @@ class Llama4ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config, tp: TPGroup, dtype, device, max_positions: int | None = None) -> None:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        for c in (config, text):
-            quant = getattr(c, "quantization_config", None) or {}
-            method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-            if method:
-                raise ValueError(f"Llama-4: {method!r}-quantized checkpoints are not supported yet (quantized "
-                                 f"weights are not built): use a bf16 checkpoint")
+        refuse_fp8("Llama-4", "FP8 does not serve its experts: use a bf16 checkpoint")
         super().__init__(text, tp, dtype, device, max_positions)
         self.hf_config = config
         self.multimodal = text is not config
