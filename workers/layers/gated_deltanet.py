@@ -34,7 +34,8 @@ from kernels.gated_delta import GDN_MAX_CHUNK
 from kernels.mamba_ssd import SSD_MAX_CHUNK
 from workers.layers.attention import AttentionMetadata
 from workers.layers.linear import RowParallelLinear
-from workers.layers.mamba import Segmented, state_views
+from workers.layers.mamba import Segmented
+from workers.layers.pooled_state import PooledStateLayer
 from workers.ops import (causal_conv1d_update_op, causal_conv1d_varlen_op, gated_delta_update_op,
                          gated_delta_varlen_op, gated_rms_norm_op, linear_op)
 from workers.parallel import TPGroup
@@ -126,7 +127,7 @@ class HeadGatedRMSNorm(nn.Module):
                                  round_before_weight=True)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(PooledStateLayer):
     def __init__(self, hidden_size: int, shape: DeltaNetShape, tp: TPGroup, dtype: torch.dtype, device, prefix: str,
                  *, eps: float, activation: str = "silu", layout: str = "split") -> None:
         super().__init__()
@@ -150,9 +151,6 @@ class GatedDeltaNet(nn.Module):
         self.head_slice = (Hv, tp.rank * self.hv, self.hv)
         self.norm = HeadGatedRMSNorm(V, self.hv, eps, dtype, device, f"{prefix}.norm")
         self.out_proj = RowParallelLinear(Hv * V, hidden_size, False, tp, dtype, device, f"{prefix}.out_proj")
-        self.conv_state: torch.Tensor | None = None
-        self.ssm_state: torch.Tensor | None = None
-        self.mamba_index = -1
 
     # ---- weights -------------------------------------------------------------------------
     def full_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -166,21 +164,12 @@ class GatedDeltaNet(nn.Module):
         param.data.copy_(full.narrow(0, start, n).to(param.dtype))
 
     # ---- state ---------------------------------------------------------------------------
-    def state_layout(self, dtype_bytes: int) -> StateLayout:
-        return self.shape.layout(self.tp.world_size, dtype_bytes)
-
-    def bind_state(self, pages: torch.Tensor, mamba_index: int, dtype: torch.dtype) -> None:
-        """`pages`: `[num_blocks, bytes]` uint8, this layer's pages of every block."""
-        lay = self.state_layout(torch.empty((), dtype=dtype).element_size())
+    def state_views(self, pages: torch.Tensor, lay: StateLayout,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if tuple(lay.conv_shape) != (self.d_conv - 1, self.conv_dim):
             raise ValueError(f"{self.prefix}: the plan's conv state {lay.conv_shape} is not this layer's "
                              f"{(self.d_conv - 1, self.conv_dim)}")
-        self.conv_state, self.ssm_state = state_views(pages, lay, dtype, self.prefix)
-        self.mamba_index = mamba_index
-
-    def unbind(self) -> None:
-        self.conv_state = self.ssm_state = None
-        self.mamba_index = -1
+        return super().state_views(pages, lay, dtype)
 
     # ---- forward -------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -20,28 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distengine.model_config import MambaShape, StateLayout, mamba_groups_per_rank
+from distengine.model_config import MambaShape, mamba_groups_per_rank
 from workers.layers.attention import AttentionMetadata
 from workers.layers.linear import RowParallelLinear
+from workers.layers.pooled_state import PooledStateLayer
 from workers.ops import (causal_conv1d_update_op, causal_conv1d_varlen_op, gated_rms_norm_op, linear_op,
                          selective_state_update_op, ssd_scan_varlen_op)
 from workers.parallel import TPGroup
-
-
-def state_views(pages: torch.Tensor, lay: StateLayout, dtype: torch.dtype,
-                name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The conv state `[num_blocks, *conv_shape]` (in `dtype`) and the SSM state `[num_blocks,
-    *ssm_shape]` (in `dtype`, or fp32 where the layout keeps it so) of a state layer's pages
-    `[num_blocks, bytes]` (uint8), as the plan lays them out (`StateLayout`)."""
-    esize = torch.empty((), dtype=dtype).element_size()
-    if pages.shape[1] < lay.nbytes:
-        raise ValueError(f"{name}: its pages hold {pages.shape[1]} bytes, the state needs {lay.nbytes}")
-    n = pages.shape[0]
-    conv_bytes = lay.conv_shape[0] * lay.conv_shape[1] * esize
-    ssm_dtype = dtype if lay.ssm_dtype_bytes == esize else torch.float32
-    ssm_bytes = lay.ssm_shape[0] * lay.ssm_shape[1] * lay.ssm_shape[2] * lay.ssm_dtype_bytes
-    return (pages[:, :conv_bytes].view(dtype).view(n, *lay.conv_shape),
-            pages[:, lay.ssm_offset:lay.ssm_offset + ssm_bytes].view(ssm_dtype).view(n, *lay.ssm_shape))
 
 
 class Segmented(nn.Module):
@@ -76,7 +61,7 @@ class Segmented(nn.Module):
             src, dst = src + n_full, dst + n
 
 
-class MambaMixer2(nn.Module):
+class MambaMixer2(PooledStateLayer):
     def __init__(self, hidden_size: int, shape: MambaShape, tp: TPGroup, dtype: torch.dtype, device, prefix: str, *,
                  conv_bias: bool = True, proj_bias: bool = False, out_bias: bool | None = None, activation: str = "silu",
                  rms_norm: bool = True, norm_before_gate: bool = False, eps: float = 1e-6,
@@ -121,9 +106,6 @@ class MambaMixer2(nn.Module):
             self.proj_scale = torch.cat([torch.full((n,), float(m), dtype=dtype, device=device)
                                          for n, m in zip(sizes, proj_scale)])
         self.state_dtype_bytes = state_dtype_bytes
-        self.conv_state: torch.Tensor | None = None
-        self.ssm_state: torch.Tensor | None = None
-        self.mamba_index = -1
 
     # ---- weights -------------------------------------------------------------------------
     def full_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -137,20 +119,6 @@ class MambaMixer2(nn.Module):
         param.data.copy_(full.narrow(0, start, n).to(param.dtype))
         if param is self.A_log:
             self._A = None
-
-    # ---- state ---------------------------------------------------------------------------
-    def state_layout(self, dtype_bytes: int) -> StateLayout:
-        return self.shape.layout(self.tp.world_size, dtype_bytes)
-
-    def bind_state(self, pages: torch.Tensor, mamba_index: int, dtype: torch.dtype) -> None:
-        """`pages`: `[num_blocks, bytes]` uint8, this layer's pages of every block."""
-        lay = self.state_layout(torch.empty((), dtype=dtype).element_size())
-        self.conv_state, self.ssm_state = state_views(pages, lay, dtype, self.prefix)
-        self.mamba_index = mamba_index
-
-    def unbind(self) -> None:
-        self.conv_state = self.ssm_state = None
-        self.mamba_index = -1
 
     # ---- forward -------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

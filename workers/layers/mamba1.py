@@ -30,7 +30,8 @@ from torch import nn
 from distengine.model_config import MambaShape, StateLayout
 from workers.layers.attention import AttentionMetadata
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
-from workers.layers.mamba import Segmented, state_views
+from workers.layers.mamba import Segmented
+from workers.layers.pooled_state import PooledStateLayer
 from workers.ops import (causal_conv1d_update_op, causal_conv1d_varlen_op, linear_op, rms_norm_op,
                          selective_scan_update_op, selective_scan_varlen_op)
 from workers.parallel import TPGroup, split_evenly
@@ -48,7 +49,7 @@ class SmallNorm(nn.Module):
         return rms_norm_op(x.contiguous(), self.weight, self.eps)
 
 
-class MambaMixer1(nn.Module):
+class MambaMixer1(PooledStateLayer):
     def __init__(self, hidden_size: int, shape: MambaShape, dt_rank: int, tp: TPGroup, dtype: torch.dtype, device,
                  prefix: str, *, conv_bias: bool = True, proj_bias: bool = False, activation: str = "silu",
                  eps: float = 1e-6) -> None:
@@ -75,9 +76,6 @@ class MambaMixer1(nn.Module):
         self.D = nn.Parameter(torch.empty(size, **f32), requires_grad=False)
         self._A: torch.Tensor | None = None  # -exp(A_log): derived at the first forward, not every step
         self.out_proj = RowParallelLinear(I, hidden_size, proj_bias, tp, dtype, device, f"{prefix}.out_proj")
-        self.conv_state: torch.Tensor | None = None
-        self.ssm_state: torch.Tensor | None = None
-        self.mamba_index = -1
 
     # ---- weights -------------------------------------------------------------------------
     def full_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -93,19 +91,10 @@ class MambaMixer1(nn.Module):
             self._A = None
 
     # ---- state ---------------------------------------------------------------------------
-    def state_layout(self, dtype_bytes: int) -> StateLayout:
-        return self.shape.layout(self.tp.world_size, dtype_bytes)
-
-    def bind_state(self, pages: torch.Tensor, mamba_index: int, dtype: torch.dtype) -> None:
-        """`pages`: `[num_blocks, bytes]` uint8, this layer's pages of every block."""
-        lay = self.state_layout(torch.empty((), dtype=dtype).element_size())
-        self.conv_state, ssm = state_views(pages, lay, dtype, self.prefix)
-        self.ssm_state = ssm[:, 0]  # [num_blocks, channels, d_state]: Mamba-1 is one head
-        self.mamba_index = mamba_index
-
-    def unbind(self) -> None:
-        self.conv_state = self.ssm_state = None
-        self.mamba_index = -1
+    def state_views(self, pages: torch.Tensor, lay: StateLayout,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        conv, ssm = super().state_views(pages, lay, dtype)
+        return conv, ssm[:, 0]  # [num_blocks, channels, d_state]: Mamba-1 is one head
 
     # ---- forward -------------------------------------------------------------------------
     def forward(self, h: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
