@@ -23,6 +23,10 @@ renormalised and scaled, in torch: `kernels/moe_routing.py`), its shared expert 
 """
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
+from functools import cached_property
+
 import torch
 from torch import nn
 
@@ -30,6 +34,42 @@ from kernels.fused_moe import compile_align_variants, moe_config, tokens_per_til
 from kernels.moe_routing import check_groups, topk_sigmoid_grouped
 from workers.ops import act_and_mul, fused_experts_op, linear_op, topk_sigmoid_op, topk_softmax_op, ungated_act
 from workers.parallel import TPGroup, split_evenly
+
+
+@dataclass(frozen=True)
+class ExpertWeightNames:
+    """A routed-expert block's checkpoint tensors in their two layouts, mapped to FusedMoE's
+    stacked `w13` / `w2`: one tensor per expert and projection (`{block}.{e}.gate_proj.weight`, as
+    checkpoints are published) or stacked (`{block}.gate_up_proj`, as transformers 5 holds them).
+    `block`: a regex of the experts module's path; `gated`: gate and up projections (w13 = [gate;
+    up]), else up only (ungated experts)."""
+    block: str
+    gated: bool = True
+
+    @cached_property
+    def _parts(self) -> dict[str, tuple[str, int | None]]:  # a part: our tensor, and the half it fills
+        gate_up = {"gate": ("w13", 0), "up": ("w13", 1)} if self.gated else {"up": ("w13", 0)}
+        return {**gate_up, "down": ("w2", None)}
+
+    @cached_property
+    def _per_expert(self) -> re.Pattern:
+        return re.compile(rf"^(.*\.{self.block})\.(\d+)\.({'|'.join(self._parts)})_proj\.weight$")
+
+    @cached_property
+    def _stacked(self) -> re.Pattern:
+        return re.compile(rf"^(.*\.{self.block})\.({'gate_up' if self.gated else 'up'}|down)_proj$")
+
+    def param(self, name: str) -> tuple[str, object] | None:
+        """(our parameter, its loader's shard: (expert, half) one expert at a time, None stacked),
+        or None for a tensor of no expert."""
+        m = self._per_expert.match(name)
+        if m:
+            ours, half = self._parts[m[3]]
+            return f"{m[1]}.{ours}", (int(m[2]), half)
+        m = self._stacked.match(name)
+        if m:
+            return f"{m[1]}.{'w2' if m[2] == 'down' else 'w13'}", None
+        return None
 
 
 class Router(nn.Module):

@@ -24,14 +24,12 @@ not the model: they are ignored. Quantized checkpoints (`quantization_config`) a
 """
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
 from workers.layers.linear import refuse_fp8
 from workers.layers.mamba1 import MambaMixer1
-from workers.layers.moe import FusedMoE, Router
+from workers.layers.moe import ExpertWeightNames, FusedMoE, Router
 from workers.models.hybrid import HybridDecoderLayer, HybridForCausalLM, HybridModel
 from workers.parallel import TPGroup
 
@@ -66,10 +64,7 @@ class JambaDecoderLayer(HybridDecoderLayer):
             super().build_feed_forward(config, tp, dtype, device, prefix)
 
 
-# Expert tensors: published one per expert, or stacked (transformers in memory).
-_EXPERT = re.compile(r"^(.*\.feed_forward\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
-_STACKED_EXPERTS = re.compile(r"^(.*\.feed_forward\.experts)\.(gate_up|down)_proj$")
-_PART = {"gate": ("w13", 0), "up": ("w13", 1), "down": ("w2", None), "gate_up": ("w13", None)}
+_EXPERTS = ExpertWeightNames(r"feed_forward\.experts")
 
 
 class JambaForCausalLM(HybridForCausalLM):
@@ -92,14 +87,7 @@ class JambaForCausalLM(HybridForCausalLM):
 
     # ---- weights: the experts one tensor each (published) or stacked (transformers in memory) --
     def checkpoint_to_param(self, name: str) -> tuple[str, object]:
-        m = _EXPERT.match(name)
-        if m:
-            ours, half = _PART[m[3]]
-            return f"{m[1]}.{ours}", (int(m[2]), half)
-        m = _STACKED_EXPERTS.match(name)
-        if m:
-            return f"{m[1]}.{_PART[m[2]][0]}", None
-        return super().checkpoint_to_param(name)
+        return _EXPERTS.param(name) or super().checkpoint_to_param(name)
 
     def checkpoint_sources(self) -> dict[str, list[dict[str, tuple[int, ...]]]]:
         out = super().checkpoint_sources()

@@ -57,7 +57,7 @@ from torch import nn
 
 from distengine.model_config import MAMBA, MLP, MOE
 from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
-from workers.layers.moe import FusedMoE, Router
+from workers.layers.moe import ExpertWeightNames, FusedMoE, Router
 from workers.models.base import STACKED
 from workers.models.hybrid import ATTENTION, HybridDecoderLayer, HybridForCausalLM, HybridModel
 from workers.parallel import TPGroup
@@ -147,10 +147,8 @@ class NemotronHBlock(HybridDecoderLayer):
 
 # Expert tensors, with `backbone.` already spelled `model.`: published one per expert, or stacked
 # (transformers in memory), and the shared expert.
-_EXPERT = re.compile(r"^(.*\.mixer\.experts)\.(\d+)\.(up|down)_proj\.weight$")
-_STACKED_EXPERTS = re.compile(r"^(.*\.mixer\.experts)\.(up|down)_proj$")
+_EXPERTS = ExpertWeightNames(r"mixer\.experts", gated=False)
 _SHARED_EXPERT = re.compile(r"^(.*\.mixer)\.shared_experts\.(up|down)_proj\.weight$")
-_PART = {"up": ("w13", 0), "down": ("w2", None)}  # our tensor, and its shard's half
 
 
 class NemotronHForCausalLM(HybridForCausalLM):
@@ -182,17 +180,12 @@ class NemotronHForCausalLM(HybridForCausalLM):
 
     def checkpoint_to_param(self, name: str) -> tuple[str, object]:
         name = self.our_name(name)
-        m = _EXPERT.match(name)
-        if m:
-            ours, half = _PART[m[3]]
-            return f"{m[1]}.{ours}", (int(m[2]), half)
-        m = _STACKED_EXPERTS.match(name)
-        if m:
-            return f"{m[1]}.{_PART[m[2]][0]}", None
+        expert = _EXPERTS.param(name)
+        if expert:
+            return expert
         m = _SHARED_EXPERT.match(name)
         if m:
-            ours, half = _PART[m[2]]
-            return f"{m[1]}.experts.{ours}", ("shared", half)
+            return f"{m[1]}.experts.{'w2' if m[2] == 'down' else 'w13'}", ("shared", None if m[2] == "down" else 0)
         return super().checkpoint_to_param(name)
 
     def checkpoint_sources(self) -> dict[str, list[dict[str, tuple[int, ...]]]]:

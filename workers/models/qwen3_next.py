@@ -33,7 +33,7 @@ from torch import nn
 from distengine.model_config import FULL, LINEAR
 from workers.layers.gated_deltanet import DeltaNetProjection, GatedDeltaNet
 from workers.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from workers.layers.moe import FusedMoE, Router
+from workers.layers.moe import ExpertWeightNames, FusedMoE, Router
 from workers.models.base import DecoderForCausalLM
 from workers.models.hybrid import HybridDecoderLayer, HybridForCausalLM
 from workers.models.llama import LlamaAttention
@@ -112,8 +112,7 @@ class Qwen3NextDecoderLayer(HybridDecoderLayer):
 # Checkpoint tensors filling one parameter of ours whose names are not ours: the DeltaNet
 # projection's parts, the experts one at a time or stacked, the shared expert and its gate.
 _IN_PROJ = re.compile(r"^(.*\.linear_attn\.in_proj)_(qkvz|ba|qkv|z|b|a)\.weight$")
-_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
-_STACKED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_EXPERTS = ExpertWeightNames(r"mlp\.experts")
 _SHARED_EXPERT = re.compile(r"^(.*\.mlp)\.shared_expert\.(gate|up|down)_proj\.weight$")
 _SHARED_GATE = re.compile(r"^(.*\.mlp)\.shared_expert_gate\.weight$")
 _HALF = {"gate": 0, "up": 1, "down": None}
@@ -144,18 +143,15 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
         m = _IN_PROJ.match(name)
         if m:
             return f"{m[1]}.weight", m[2]
-        m = _EXPERT.match(name)
-        if m:
-            return f"{m[1]}.{'w2' if m[3] == 'down' else 'w13'}", (int(m[2]), _HALF[m[3]])
+        expert = _EXPERTS.param(name)
+        if expert:
+            return expert
         m = _SHARED_EXPERT.match(name)
         if m and isinstance(self.get_submodule(m[1]), Qwen3NextSparseMoe):
             return f"{m[1]}.experts.{'w2' if m[2] == 'down' else 'w13'}", ("shared", _HALF[m[2]])
         m = _SHARED_GATE.match(name)
         if m:
             return f"{m[1]}.gate.weight", "shared"
-        m = _STACKED_EXPERTS.match(name)
-        if m:
-            return f"{m[1]}.{'w13' if m[2] == 'gate_up_proj' else 'w2'}", None
         return DecoderForCausalLM.checkpoint_to_param(self, name)
 
     def checkpoint_sources(self) -> dict[str, list[dict[str, tuple[int, ...]]]]:
