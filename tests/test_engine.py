@@ -281,17 +281,6 @@ def test_several_completions_share_the_prompt_and_beam_search(tmp_path_factory, 
         assert llm.scheduler.manager.num_free_blocks == llm.scheduler.manager.pool.num_blocks - 1
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield ray
-    if started:
-        ray.shutdown()
-
-
 @pytest.mark.parametrize("tp", [1, 2])
 def test_prompt_logprobs_equal_transformers(qwen3, ray_cluster, tp):
     """Each prompt token's logprob given the tokens before it, its rank and the top 3, against

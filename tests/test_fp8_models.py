@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kernels.fp8 import FP8_DTYPE, quantize_fp8_ref
-from tests.test_engine import _hf_greedy, _prompts, ray_cluster  # noqa: F401 (a fixture)
+from tests.test_engine import _hf_greedy, _prompts
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors.torch")

@@ -153,17 +153,6 @@ def test_bad_layouts_and_splits_are_refused(tmp_path):
         GptOssForCausalLM(config, TPGroup(), torch.float32, torch.device("cpu"))
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield ray
-    if started:
-        ray.shutdown()
-
-
 def test_dummy_weights_in_the_stored_format_and_the_roofline_counts_their_bytes(tmp_path, capsys):
     """`bench latency --load-format dummy` on a gpt-oss shape whose config says mxfp4: the experts
     are random bytes and scales (finite outputs), and the roofline counts them as stored, 4.25

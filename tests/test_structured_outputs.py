@@ -19,7 +19,6 @@ from distengine import LLM, SamplingParams, StructuredOutputsParams
 from distengine.step import RequestSampling
 from distengine.structured_outputs import GrammarCompiler, RequestGrammar, check, fill_bitmasks, library_for
 from tests.server_harness import build_byte_level_model
-from tests.test_engine import ray_cluster  # noqa: F401 - a fixture
 from workers.sampler import SamplingTensors, sample
 
 SCHEMA = {"type": "object",
