@@ -66,7 +66,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr, CHUNK: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_HEAD_SCALE: tl.constexpr, NUM_SPLITS: tl.constexpr, FP8: tl.constexpr,
-    DOT_F32: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    DOT_F32: tl.constexpr, F16_DOT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
     pid_q = tl.program_id(0)
@@ -93,6 +93,8 @@ def _paged_attention_kernel(
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
+    elif F16_DOT:
+        q = q.to(tl.float16)
     if FP8:
         scale = scale * tl.load(k_scale_ptr)
     qk_scale = scale * 1.4426950408889634  # softmax in base 2
@@ -254,8 +256,8 @@ def _tile_n(block_size: int, tile: int) -> int:
     return tile
 
 
-def default_config(max_query_len: int, head_dim: int, gqa: int, block_size: int, sliding_window: int = 0,
-                   max_seq_len: int = 0, fp8: bool = False) -> dict:
+def _tiles(max_query_len: int, head_dim: int, gqa: int, block_size: int, sliding_window: int = 0,
+           max_seq_len: int = 0, fp8: bool = False) -> dict:
     """Tile shapes and launch options, the fastest of sweeps on an H200 (bf16, block 16; D=128 with
     Hq=32, Hkv=8: `distengine bench kernels --sweep`; D=256 with Hq=16, Hkv=8, Gemma-3-12B's
     shape: kernels/bench/sweep_decode_attention.py)."""
@@ -270,13 +272,12 @@ def default_config(max_query_len: int, head_dim: int, gqa: int, block_size: int,
             return {"BLOCK_M": block_m, "TILE_N": 32, "num_warps": 4, "num_stages": 2}
         return {"BLOCK_M": max(block_m, 64), "TILE_N": 32, "num_warps": 8, "num_stages": 2}
     if max_query_len == 1 and fp8 and head_dim == 256:
-        # An e4m3 cache is bound by its conversion to the query's dtype, not by its bytes: more
-        # warps (full layers) or one stage of wider tiles (a window). Gemma-3-12B's heads, B=128 x
-        # 8,192 keys, H200: 2.13 ms against 2.37 with the bf16 cache's tiles (which take 1.97 ms on
-        # a bf16 cache); window 1,024: 296 against 362 us.
-        if sliding_window:
-            return {"BLOCK_M": block_m, "TILE_N": _tile_n(block_size, 128), "num_warps": 4, "num_stages": 1}
-        return {"BLOCK_M": block_m, "TILE_N": _tile_n(block_size, 64), "num_warps": 8, "num_stages": 2}
+        # An e4m3 cache is bound by its conversion in registers, not by its bytes. With fp16
+        # products (`default_config`), Gemma-3-12B's heads, B=128 x 8,192 keys, H200: 128-key tiles
+        # on 4 warps, 3 stages, 1.80 ms (8 warps: 2.86; the best tiles with bf16 products 2.13; a
+        # bf16 cache 1.97); window 1,024: one stage, 259 us (bf16 products 299).
+        stages = 1 if sliding_window else 3
+        return {"BLOCK_M": block_m, "TILE_N": _tile_n(block_size, 128), "num_warps": 4, "num_stages": stages}
     if max_query_len == 1:  # decode: bandwidth-bound, 4 warps keep enough loads in flight
         # A window's first tile is partly masked: wider tiles waste less at D=128 (W=1024: 0.082
         # vs 0.106 ms); at D=256 a 128-key tile is too large (B=128, 600 tokens: 210 vs 176 us).
@@ -288,6 +289,18 @@ def default_config(max_query_len: int, head_dim: int, gqa: int, block_size: int,
         return {"BLOCK_M": max(block_m, 64), "TILE_N": _tile_n(block_size, 64), "num_warps": 4, "num_stages": 3}
     tile = 128 if head_dim <= 128 else 64
     return {"BLOCK_M": max(block_m, 128), "TILE_N": _tile_n(block_size, tile), "num_warps": 8, "num_stages": 3}
+
+
+def default_config(max_query_len: int, head_dim: int, gqa: int, block_size: int, sliding_window: int = 0,
+                   max_seq_len: int = 0, fp8: bool = False) -> dict:
+    """The tiles (`_tiles`) and, for an e4m3 cache at decode, `F16_DOT`: the products in fp16, the
+    query cast to it, so that each cached byte takes one conversion instruction (e4m3x2 to f16x2;
+    to bf16 it takes three). Exact for the cache (every e4m3 value is an fp16 one) and finer than
+    bf16 for the probabilities; a query beyond fp16's range (65,504) would overflow."""
+    cfg = _tiles(max_query_len, head_dim, gqa, block_size, sliding_window, max_seq_len, fp8)
+    if fp8 and max_query_len == 1:
+        cfg["F16_DOT"] = True
+    return cfg
 
 
 def paged_attention(
@@ -355,7 +368,7 @@ def paged_attention(
         GQA=gqa, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, TILE_N=cfg["TILE_N"], SLIDING_WINDOW=int(sliding_window), CHUNK=int(chunk_size),
         USE_SOFTCAP=bool(softcap), HAS_SINKS=sinks is not None, HAS_HEAD_SCALE=head_scale is not None,
-        NUM_SPLITS=num_splits, FP8=fp8, DOT_F32=_interpreter_bf16(q),
+        NUM_SPLITS=num_splits, FP8=fp8, DOT_F32=_interpreter_bf16(q), F16_DOT=fp8 and cfg.get("F16_DOT", False),
         # fp32 models (tests against transformers) get full-precision products, not TF32.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **pdl_args(q),

@@ -114,8 +114,10 @@ def main() -> int:
             grid = [(base_cfg["TILE_N"], base_cfg["num_warps"], base_cfg["num_stages"], sp) for sp in (1, 2, 4, 8, 16)]
         else:
             grid = [(t, w, st, base_splits) for t, w, st in itertools.product((16, 32, 64, 128), (4, 8), (1, 2, 3))]
-        for tile, warps, stages, splits in grid:
-            cfg = {"BLOCK_M": base_cfg["BLOCK_M"], "TILE_N": tile, "num_warps": warps, "num_stages": stages}
+        f16 = (False, True) if SCALES else (False,)
+        for (tile, warps, stages, splits), f16_dot in itertools.product(grid, f16):
+            cfg = {"BLOCK_M": base_cfg["BLOCK_M"], "TILE_N": tile, "num_warps": warps, "num_stages": stages,
+                   "F16_DOT": f16_dot}
             try:
                 out = paged_attention(q, kv, table, qsl, lens, 1, length, D ** -0.5, sliding_window=window,
                                       config=cfg, num_splits=splits, **SCALES)
@@ -124,18 +126,18 @@ def main() -> int:
                                                       sliding_window=window, config=cfg, num_splits=splits,
                                                       **SCALES),
                               warmup=10, rep=60, return_mode="median")
-                results.append((ms, tile, warps, stages, splits, err))
+                results.append((ms, tile, warps, stages, splits, f16_dot, err))
             except Exception as e:  # noqa: BLE001 - out of shared memory and the like
-                results.append((float("inf"), tile, warps, stages, splits, repr(e)[:40]))
+                results.append((float("inf"), tile, warps, stages, splits, f16_dot, repr(e)[:40]))
         base = do_bench(lambda: paged_attention(q, kv, table, qsl, lens, 1, length, D ** -0.5, sliding_window=window,
                                                 **SCALES),
                         warmup=10, rep=60, return_mode="median")
         results.sort()
-        print(f"B={batch} L={length} W={window}: shipped {base * 1e3:.1f} us ({nbytes / base / 1e9:.0f} GB/s, "
+        print(f"B={batch} L={length} W={window}: shipped {base * 1e3:.1f} us ({nbytes / base / 1e9:.2f} TB/s, "
               f"{base_cfg['TILE_N']}/{base_cfg['num_warps']}w/{base_cfg['num_stages']}s/{base_splits}sp)")
-        for ms, tile, warps, stages, splits, err in results[:4]:
-            print(f"   {ms * 1e3:7.1f} us {nbytes / ms / 1e9:6.0f} GB/s  tile {tile} warps {warps} stages {stages} "
-                  f"splits {splits} err {err}")
+        for ms, tile, warps, stages, splits, f16_dot, err in results[:6]:
+            print(f"   {ms * 1e3:7.1f} us {nbytes / ms / 1e9:5.2f} TB/s  tile {tile} warps {warps} stages {stages} "
+                  f"splits {splits}{' f16 products' if f16_dot else ''} err {err}")
     return 0
 
 
