@@ -163,17 +163,20 @@ def _moe_mxfp4_gemm_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, rows_ptr, 
 
 
 def mxfp4_config(num_pairs: int, num_experts: int, itemsize: int = 2) -> dict:
-    """Tiles by the rows each expert gets (pairs / E), in `moe_config`'s bands. Every band reads
-    128 elements (64 bytes and 4 scales) of a weight row a step: a decode step's tiles are mostly
-    padding rows, so 16-row tiles; 64-row weight tiles give a batch-1 step of gpt-oss-120b 360
-    programs for its 4 experts' gate/up rows and 180 for their down rows (132 SMs). Prefill
-    steps (over 64 rows an expert) 128 x 128 tiles: 8 warps dequantize a 128 x 128 weight tile
-    (the upcast runs once per tile of rows, so larger row tiles amortise it). 4-byte activations
-    (fp32 tests) keep 64 x 64 x 64 tiles past 24 rows, whose stages and decoded fp32 weight tile
-    fit in shared memory."""
+    """Tiles by the rows each expert gets (pairs / E), in `moe_config`'s bands: a decode step's
+    tiles are mostly padding rows, so 16-row tiles. Prefill steps (over 64 rows an expert) 128 x
+    128 tiles: 8 warps dequantize a 128 x 128 weight tile (the upcast runs once per tile of rows,
+    so larger row tiles amortise it). 4-byte activations (fp32 tests) keep 64 x 64 x 64 tiles past
+    24 rows, whose stages and decoded fp32 weight tile fit in shared memory."""
     rows = num_pairs / num_experts
     if rows <= ROW_BANDS[0]:
-        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+        # H200 sweep (`kernels.bench.moe_mxfp4 --sweep`), gpt-oss-120b: the upcast, not the bytes,
+        # bounds a decode step's experts, and 2-warp programs spread it over more of the SMs. One
+        # token (4 experts): 32 weight rows x 128, 68 us against 86 with 64 x 128 on 4 warps; 64
+        # tokens (~111 experts): 64 x 64, 895 us against 992 with 32 x 128.
+        if num_pairs < num_experts:
+            return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 2, "num_stages": 3}
+        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 2, "num_stages": 3}
     if rows <= ROW_BANDS[1]:
         return {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
     if itemsize > 2:
