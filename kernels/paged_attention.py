@@ -296,7 +296,8 @@ def default_config(max_query_len: int, head_dim: int, gqa: int, block_size: int,
     """The tiles (`_tiles`) and, for an e4m3 cache at decode, `F16_DOT`: the products in fp16, the
     query cast to it, so that each cached byte takes one conversion instruction (e4m3x2 to f16x2;
     to bf16 it takes three). Exact for the cache (every e4m3 value is an fp16 one) and finer than
-    bf16 for the probabilities; a query beyond fp16's range (65,504) would overflow."""
+    bf16 for the probabilities; a query beyond fp16's range (65,504) would overflow. fp32 queries
+    keep fp32 products."""
     cfg = _tiles(max_query_len, head_dim, gqa, block_size, sliding_window, max_seq_len, fp8)
     if fp8 and max_query_len == 1:
         cfg["F16_DOT"] = True
@@ -368,7 +369,8 @@ def paged_attention(
         GQA=gqa, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, TILE_N=cfg["TILE_N"], SLIDING_WINDOW=int(sliding_window), CHUNK=int(chunk_size),
         USE_SOFTCAP=bool(softcap), HAS_SINKS=sinks is not None, HAS_HEAD_SCALE=head_scale is not None,
-        NUM_SPLITS=num_splits, FP8=fp8, DOT_F32=_interpreter_bf16(q), F16_DOT=fp8 and cfg.get("F16_DOT", False),
+        NUM_SPLITS=num_splits, FP8=fp8, DOT_F32=_interpreter_bf16(q),
+        F16_DOT=fp8 and q.element_size() == 2 and cfg.get("F16_DOT", False),
         # fp32 models (tests against transformers) get full-precision products, not TF32.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **pdl_args(q),
