@@ -17,22 +17,16 @@ import triton.language as tl
 
 from kernels.pdl import pdl_args, pdl_wait
 
-__all__ = ["silu_and_mul", "silu_and_mul_ref", "gelu_tanh_and_mul", "gelu_tanh_and_mul_ref", "swiglu_oai_and_mul",
+__all__ = ["apply_act", "fusable", "silu_and_mul", "silu_and_mul_ref", "gelu_tanh_and_mul", "gelu_tanh_and_mul_ref", "swiglu_oai_and_mul",
            "swiglu_oai_and_mul_ref", "relu2", "relu2_ref"]
 
 _SILU, _GELU_TANH, _SWIGLU_OAI, _RELU2 = 0, 1, 2, 3
 
 
 @triton.jit
-def _act_and_mul_kernel(x_ptr, out_ptr, inter, sx, so, alpha, limit, ACT: tl.constexpr, GATED: tl.constexpr,
-                        BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    m = cols < inter
-    a = tl.load(x_ptr + t * sx + cols, mask=m, other=0.0).to(tl.float32)
-    if GATED:
-        b = tl.load(x_ptr + t * sx + inter + cols, mask=m, other=0.0).to(tl.float32)
+def apply_act(a, b, alpha, limit, ACT: tl.constexpr, GATED: tl.constexpr):
+    """The activation of fp32 gate values `a` (times the up values `b` when GATED): the one
+    formula of this kernel and of the MoE GEMM that applies it in its epilogue."""
     if ACT == 0:
         y = a / (1.0 + tl.exp(-a))
     elif ACT == 3:
@@ -48,6 +42,21 @@ def _act_and_mul_kernel(x_ptr, out_ptr, inter, sx, so, alpha, limit, ACT: tl.con
         y = 0.5 * a * (1.0 + th)
     if GATED:
         y = y * b
+    return y
+
+
+@triton.jit
+def _act_and_mul_kernel(x_ptr, out_ptr, inter, sx, so, alpha, limit, ACT: tl.constexpr, GATED: tl.constexpr,
+                        BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < inter
+    a = tl.load(x_ptr + t * sx + cols, mask=m, other=0.0).to(tl.float32)
+    b = a
+    if GATED:
+        b = tl.load(x_ptr + t * sx + inter + cols, mask=m, other=0.0).to(tl.float32)
+    y = apply_act(a, b, alpha, limit, ACT, GATED)
     tl.store(out_ptr + t * so + cols, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -84,6 +93,12 @@ def swiglu_oai_and_mul(x: torch.Tensor, alpha: float, limit: float) -> torch.Ten
 def relu2(x: torch.Tensor) -> torch.Tensor:
     """[T, I] -> new [T, I] tensor = relu(x)^2 (no gate)."""
     return _launch(x, _RELU2, gated=False)
+
+
+def fusable(act_and_mul) -> tuple[int, bool] | None:
+    """(ACT, GATED) of an activation `apply_act` computes (one of this module's kernels without
+    parameters), for a GEMM that applies it in its epilogue; None for any other function."""
+    return {silu_and_mul: (_SILU, True), gelu_tanh_and_mul: (_GELU_TANH, True), relu2: (_RELU2, False)}.get(act_and_mul)
 
 
 def _acc(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,10 @@ so a program multiplies one tile of rows that all use one expert's weights, and 
 weights of experts that some token chose. The first launch gives [T*k, 2I] (gate | up), the
 activation kernel [T*k, I] (experts without a gate: the first launch gives [T*k, I] of up rows
 alone and the activation is elementwise), the second launch [T*k, H] already scaled by the routing weights,
-and a sum over k (one more launch) gives [T, H]. With `weight_input` (Llama-4, which scales each
+and a sum over k (one more launch) gives [T, H]. Decode-sized steps (16- and 32-row tiles) whose
+activation is one of `kernels.activation`'s without parameters (`fusable`) apply it in the first
+launch's epilogue, a program computing a tile of gate rows and the matching up rows: at batch 1
+a step is launch-bound, and this is one launch a layer fewer. With `weight_input` (Llama-4, which scales each
 routed token's hidden state by its router score before the expert) the first launch scales its
 rows instead: x w W13^T = w (x W13^T) with no bias in between, so the activation sees the
 scaled input and the second launch leaves its rows as they are. Every shape is fixed by T, k, E and BLOCK_M (the alignment is one
@@ -23,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.activation import apply_act, fusable
 from kernels.paged_attention import _interpreter_bf16
 from kernels.pdl import pdl_args, pdl_wait
 
@@ -145,10 +149,12 @@ def moe_align_kernel(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
 def _moe_gemm_kernel(a_ptr, w_ptr, b_ptr, c_ptr, rw_ptr, rows_ptr, bexp_ptr, N, K, num_rows,
                      stride_am, stride_we, stride_wn, stride_be, stride_cm,
                      A_ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_ROUTED: tl.constexpr,
+                     ACT: tl.constexpr, GATED: tl.constexpr,
                      DOT_F32: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of c[rows] = a[rows // A_ROW_DIV] @ w[e]^T (+ b[e]) (* rw[rows])
-    for the tile's expert e."""
+    for the tile's expert e. ACT >= 0 (`kernels.activation.apply_act`) applies the activation to
+    the tile; GATED: of w[e]'s rows n (gate) and N + n (up), c being [.., N]."""
     pdl_wait(PDL)
     pid_m = tl.program_id(0)
     expert = tl.load(bexp_ptr + pid_m).to(tl.int64)
@@ -162,6 +168,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, b_ptr, c_ptr, rw_ptr, rows_ptr, bexp_ptr, N, 
     a_rows = a_ptr + (rows // A_ROW_DIV).to(tl.int64)[:, None] * stride_am
     w_rows = w_ptr + expert * stride_we + rn.to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, K, BLOCK_K):
         kk = k + rk
         k_ok = kk < K
@@ -170,10 +177,24 @@ def _moe_gemm_kernel(a_ptr, w_ptr, b_ptr, c_ptr, rw_ptr, rows_ptr, bexp_ptr, N, 
         if DOT_F32:
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+        if GATED:
+            wu = tl.load(w_rows + N * stride_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            if DOT_F32:
+                wu = wu.to(tl.float32)
+            up = tl.dot(a, tl.trans(wu), up, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + expert * stride_be + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            up += tl.load(b_ptr + expert * stride_be + N + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if MUL_ROUTED:
-        acc *= tl.load(rw_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        rw = tl.load(rw_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        acc *= rw
+        up *= rw
+    if ACT >= 0:
+        # The activation reads its inputs rounded to c's dtype, as from the unfused [R, 2I] buffer.
+        acc = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
+        up = up.to(c_ptr.dtype.element_ty).to(tl.float32)
+        acc = apply_act(acc, up, 0.0, 0.0, ACT, GATED)
     tl.store(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty),
              mask=row_ok[:, None] & n_ok[None, :])
 
@@ -207,14 +228,19 @@ def tokens_per_tile_band(num_experts: int, top_k: int) -> list[int]:
     return [1] + [-(-(band + 1) * num_experts // top_k) for band in ROW_BANDS]
 
 
-def _grouped_gemm(a, w, b, rows, block_expert, out, routed, a_row_div: int, cfg: dict) -> None:
-    n, k = w.shape[1], w.shape[2]
+def _grouped_gemm(a, w, b, rows, block_expert, out, routed, a_row_div: int, cfg: dict,
+                  act: tuple[int, bool] | None = None) -> None:
+    """out[rows] = a[rows // a_row_div] @ w[e]^T (+ b) (* routed); with `act` (`fusable`'s (ACT,
+    GATED)) its activation, of (gate, up) row pairs n and N + n when gated (out [rows, N])."""
+    k = w.shape[2]
+    code, gated = act if act is not None else (-1, False)
+    n = out.shape[1]
     grid = (block_expert.numel(), triton.cdiv(n, cfg["BLOCK_N"]))
     _moe_gemm_kernel[grid](
         a, w, b if b is not None else w, out, routed if routed is not None else out, rows, block_expert,
         n, k, out.shape[0], a.stride(0), w.stride(0), w.stride(1), b.stride(0) if b is not None else 0,
         out.stride(0), A_ROW_DIV=a_row_div, HAS_BIAS=b is not None, MUL_ROUTED=routed is not None,
-        DOT_F32=_interpreter_bf16(a), PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        ACT=code, GATED=gated, DOT_F32=_interpreter_bf16(a), PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **pdl_args(a))
 
@@ -282,9 +308,18 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     rows, block_expert = moe_align(topk_ids, e, cfg["BLOCK_M"])
     x = x if x.stride(1) == 1 else x.contiguous()
     routed = topk_weights.reshape(-1).contiguous()
-    gate_up = torch.empty((t * k, two_i), dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, b13, rows, block_expert, gate_up, routed if weight_input else None, k, cfg)
-    inter = act_and_mul(gate_up)
+    first_routed = routed if weight_input else None
+    act = fusable(act_and_mul) if cfg["BLOCK_M"] <= 32 else None
+    if act is not None and two_i == w2.shape[2] * (2 if act[1] else 1):
+        # Decode-sized steps apply the activation in the first launch: one launch a layer fewer. A
+        # gated program reads BLOCK_N gate and BLOCK_N up rows: half the columns, as many rows.
+        inter = torch.empty((t * k, w2.shape[2]), dtype=x.dtype, device=x.device)
+        first = dict(cfg, BLOCK_N=cfg["BLOCK_N"] // 2) if act[1] else cfg
+        _grouped_gemm(x, w13, b13, rows, block_expert, inter, first_routed, k, first, act)
+    else:
+        gate_up = torch.empty((t * k, two_i), dtype=x.dtype, device=x.device)
+        _grouped_gemm(x, w13, b13, rows, block_expert, gate_up, first_routed, k, cfg)
+        inter = act_and_mul(gate_up)
     out = torch.empty((t * k, h), dtype=x.dtype, device=x.device)
     _grouped_gemm(inter, w2, b2, rows, block_expert, out, None if weight_input else routed, 1, cfg)
     return _sum_over_k(out, t, k)

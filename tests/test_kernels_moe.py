@@ -429,3 +429,33 @@ def test_the_ungated_grouped_layer_with_a_shared_expert():
     assert rel_err(layer(x, logits, bias).cpu(), want) < 1e-5
     weights, ids = topk_sigmoid_grouped(logits, bias, k, 4, 2, True, 2.5, torch.float32, shared=2)
     assert rel_err(fused_experts(x, layer.w13, layer.w2, weights, ids, relu2).cpu(), want) < 1e-5
+
+
+@pytest.mark.parametrize("act", [silu_and_mul, relu2], ids=["silu-gated", "relu2"])
+@pytest.mark.parametrize("t", [1, 5])
+def test_activation_in_the_first_launch_equals_its_own_launch(act, t):
+    """Decode-sized steps apply a known activation in the first GEMM's epilogue, rounding its
+    inputs to x's dtype as the [R, 2I] buffer does; a function it does not know (here a wrapper)
+    takes the activation launch: both give the same output (bf16, 16-row tiles)."""
+    e, k, h, inter = 6, 2, 64, 48
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(t, h, generator=g).to(DEVICE, torch.bfloat16)
+    rows = 2 * inter if act is silu_and_mul else inter
+    w13 = (torch.randn(e, rows, h, generator=g) / h ** 0.5).to(DEVICE, torch.bfloat16)
+    w2 = (torch.randn(e, h, inter, generator=g) / inter ** 0.5).to(DEVICE, torch.bfloat16)
+    b13 = (torch.randn(e, rows, generator=g) * 0.5).to(DEVICE, torch.bfloat16) if act is silu_and_mul else None
+    weights, ids = routing(t, e, k, seed=t)
+    fused = fused_experts(x, w13, w2, weights, ids, act, b13, config=SMALL)
+    separate = fused_experts(x, w13, w2, weights, ids, lambda y: act(y), b13, config=SMALL)
+    torch.testing.assert_close(fused, separate, rtol=1e-2, atol=1e-2)
+    assert rel_err(fused.float().cpu(), separate.double().cpu()) < 1e-3
+
+
+def test_the_engines_activations_are_the_ones_the_experts_kernel_applies_itself():
+    """The layers pass `workers.ops`' activations: on a GPU the experts' kernel must see the
+    kernels it can apply in its epilogue, not a wrapper it would take to the separate launch."""
+    from kernels.activation import fusable
+    from workers.ops import act_and_mul, ungated_act
+    assert fusable(act_and_mul("silu").gpu) == (0, True)
+    assert fusable(act_and_mul("gelu_pytorch_tanh").gpu) == (1, True)
+    assert fusable(ungated_act("relu2").gpu) == (3, False)

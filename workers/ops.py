@@ -26,8 +26,15 @@ from kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
 from kernels.rotary import rotary_embedding, rotary_embedding_ref
 
 
-def _pick(gpu, cpu):
-    return lambda x, *a, **k: (gpu if x.is_cuda else cpu)(x, *a, **k)
+class _pick:  # noqa: N801 - used as a function
+    """A kernel on a GPU, its torch reference on CPU. `gpu` stays visible: the experts' kernel
+    applies an activation it recognises in its own epilogue."""
+
+    def __init__(self, gpu, cpu) -> None:
+        self.gpu, self.cpu = gpu, cpu
+
+    def __call__(self, x, *a, **k):
+        return (self.gpu if x.is_cuda else self.cpu)(x, *a, **k)
 
 
 rms_norm_op = _pick(rms_norm, rms_norm_ref)
@@ -44,7 +51,14 @@ selective_scan_update_op = _pick(selective_scan_update, selective_scan_update_re
 gated_rms_norm_op = _pick(gated_rms_norm, gated_rms_norm_ref)
 gated_delta_varlen_op = _pick(gated_delta_varlen, gated_delta_varlen_ref)
 gated_delta_update_op = _pick(gated_delta_update, gated_delta_update_ref)
-fused_experts_op = _pick(fused_experts, fused_experts_ref)
+
+
+def fused_experts_op(x: torch.Tensor, w13, w2, topk_weights, topk_ids, act_and_mul, *a, **k) -> torch.Tensor:
+    if not x.is_cuda:
+        return fused_experts_ref(x, w13, w2, topk_weights, topk_ids, act_and_mul, *a, **k)
+    return fused_experts(x, w13, w2, topk_weights, topk_ids, getattr(act_and_mul, "gpu", act_and_mul), *a, **k)
+
+
 fused_experts_mxfp4_op = _pick(fused_experts_mxfp4, fused_experts_mxfp4_ref)
 topk_softmax_op = _pick(topk_softmax, topk_softmax_ref)
 topk_sigmoid_op = _pick(topk_sigmoid, topk_sigmoid_ref)
