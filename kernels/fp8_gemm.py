@@ -115,7 +115,7 @@ def _w8a8_kernel(x_ptr, w_ptr, b_ptr, y_ptr, s_ptr, M, N, K, stride_xm, stride_w
                 x = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
                 w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             xf = x.to(tl.float32)
-            xs = tl.maximum(tl.max(tl.abs(xf), 1), _AMAX_FLOOR) / _FP8_MAX
+            xs = tl.math.div_rn(tl.maximum(tl.max(tl.abs(xf), 1), _AMAX_FLOOR), _FP8_MAX)
             v = tl.clamp(tl.math.div_rn(xf, xs[:, None]), -_FP8_MAX, _FP8_MAX)
             if EMULATE_CVT:
                 v = _round_e4m3(v)
