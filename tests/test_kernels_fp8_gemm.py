@@ -126,3 +126,18 @@ def test_w8a8_gemm_tiles_on_gpu(swap, block_m, block_n):
     """The layouts the sweep tries, each against the reference (100 rows: two row tiles or more)."""
     cfg = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": 256, "SWAP": swap, "num_warps": 4, "num_stages": 3}
     _run(100, 1024, 1920, "block", torch.bfloat16, cfg)
+
+
+def test_fp8_linear_op_with_w8a8_routes_by_device_and_rows():
+    """The layers' entry point with `w8a8`: on a GPU 1-128 rows through `w8a8_gemm`, more (prefill)
+    dequantized for cuBLAS; on CPU the weight-only reference (W8A16) at any rows."""
+    from kernels.fp8 import dequantize_fp8_ref
+    from workers.ops import fp8_linear_op
+    q, s = _weight(256, 384, BLOCK)
+    b = torch.randn(256).to(torch.bfloat16).to(DEVICE)
+    weight_only = dequantize_fp8_ref(q, s, BLOCK, torch.float64)
+    for rows in ((1, 3, 128, 129) if DEVICE == "cuda" else (1, 3)):
+        x = _x(rows, 384, torch.bfloat16)
+        quantized = DEVICE == "cuda" and rows <= 128
+        ref = w8a8_gemm_ref(x, q, s, BLOCK, b) if quantized else x.double() @ weight_only.t() + b.double()
+        _check(fp8_linear_op(x, q, s, BLOCK, b, w8a8=True), ref, torch.bfloat16)
