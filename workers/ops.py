@@ -19,7 +19,8 @@ from kernels.mamba_ssd import ssd_scan_varlen, ssd_scan_varlen_ref
 from kernels.mamba1_scan import (selective_scan_update, selective_scan_update_ref, selective_scan_varlen,
                                  selective_scan_varlen_ref)
 from kernels.mamba_state_update import selective_state_update, selective_state_update_ref
-from kernels.moe_routing import topk_sigmoid, topk_sigmoid_ref, topk_softmax, topk_softmax_ref
+from kernels.moe_routing import (topk_sigmoid, topk_sigmoid_grouped, topk_sigmoid_grouped_ref, topk_sigmoid_ref,
+                                 topk_softmax, topk_softmax_ref)
 from kernels.paged_attention import paged_attention
 from kernels.paged_attention_ref import paged_attention_ref
 from kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
@@ -48,6 +49,7 @@ fused_experts_op = _pick(fused_experts, fused_experts_ref)
 fused_experts_mxfp4_op = _pick(fused_experts_mxfp4, fused_experts_mxfp4_ref)
 topk_softmax_op = _pick(topk_softmax, topk_softmax_ref)
 topk_sigmoid_op = _pick(topk_sigmoid, topk_sigmoid_ref)
+topk_sigmoid_grouped_op = _pick(topk_sigmoid_grouped, topk_sigmoid_grouped_ref)
 swiglu_oai_op = _pick(swiglu_oai_and_mul, swiglu_oai_and_mul_ref)
 ACTIVATIONS = {
     "silu": _pick(silu_and_mul, silu_and_mul_ref),
@@ -103,5 +105,5 @@ __all__ = ["linear_op", "fp8_linear_op", "rms_norm_op", "rotary_op", "store_kv_o
            "act_and_mul", "ungated_act", "causal_conv1d_varlen_op", "causal_conv1d_update_op", "ssd_scan_varlen_op",
            "selective_state_update_op", "selective_scan_varlen_op", "selective_scan_update_op",
            "gated_rms_norm_op", "gated_delta_varlen_op", "gated_delta_update_op",
-           "fused_experts_op", "topk_softmax_op", "topk_sigmoid_op", "swiglu_oai_op",
+           "fused_experts_op", "topk_softmax_op", "topk_sigmoid_op", "topk_sigmoid_grouped_op", "swiglu_oai_op",
            "torch"]

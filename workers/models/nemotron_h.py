@@ -17,8 +17,8 @@ full_attention, mlp, moe), read through the KV cache plan's reader (`decoder_lay
   down_proj, `moe_intermediate_size`) and the ungated `shared_experts` MLP
   (`moe_shared_expert_intermediate_size`, the same activation), added with weight 1. Routed and
   shared experts are one `FusedMoE` stack (the shared one as its last slots), so the layer's
-  sum leaves through one all-reduce; the grouped choice runs in torch ops on the device
-  (`kernels.moe_routing.topk_sigmoid_grouped`). Latent projections (`moe_latent_size`) and MLP
+  sum leaves through one all-reduce; the grouped choice is one kernel on a GPU
+  (`kernels.moe_routing.topk_sigmoid_grouped`), its torch reference on CPU. Latent projections (`moe_latent_size`) and MLP
   biases on MoE layers are refused;
 * the multi-token-prediction layers (`mtp.*`, speculative decoding only) are not built and their
   tensors are not read.
