@@ -64,7 +64,13 @@ def linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
               out: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b), into `out` when given (a 2-D x and a contiguous [rows, N] `out`): on a GPU
     one row (a batch-1 decode step) through the Triton GEMV and 2 to 32 rows through the skinny
-    GEMM, faster there than cuBLAS (kernels/gemv.py); anything else through cuBLAS."""
+    GEMM, faster there than cuBLAS (kernels/gemv.py); anything else through cuBLAS. A 16-bit x
+    with an fp32 weight (a router kept in fp32) gives fp32, the product of x.float(): at one row
+    the GEMV widens x itself (no cast launch)."""
+    if weight.dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16):
+        if x.is_cuda and x.dim() == 2 and x.shape[0] == 1:
+            return gemv(x, weight, bias, out=out)
+        x = x.float()
     if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_ROWS:
         return gemv(x, weight, bias, out=out) if x.shape[0] == 1 else skinny_gemm(x, weight, bias, out=out)
     if out is None:

@@ -125,7 +125,7 @@ class NemotronHMoE(nn.Module):
             scale=float(cfg(config, "routed_scaling_factor", default=1.0)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.gate(x.float())  # transformers' router: float32 input and weight
+        logits = self.gate(x)  # float32, as transformers' router on x.float() (`linear_op` widens x)
         return self.tp.all_reduce(self.experts(x, logits, self.gate.e_score_correction_bias))
 
 
