@@ -175,9 +175,9 @@ def _check_grouped(logits: torch.Tensor, correction_bias: torch.Tensor | None, k
                    topk_group: int, shared: int) -> int:
     e = _check(logits, k, shared, gated=False)
     check_groups(e, k, n_group, topk_group)
-    if correction_bias is not None and (tuple(correction_bias.shape) != (e,) or correction_bias.device != logits.device):
-        raise ValueError(f"correction bias must be [{e}] on {logits.device}, got {tuple(correction_bias.shape)} "
-                         f"on {correction_bias.device}")
+    bias = correction_bias
+    if bias is not None and (tuple(bias.shape) != (e,) or bias.device != logits.device):
+        raise ValueError(f"correction bias must be [{e}] on {logits.device}, got {tuple(bias.shape)} on {bias.device}")
     return e
 
 

@@ -108,6 +108,32 @@ def time_routers() -> None:
             ours = graph_time_us([lambda x=x: topk_sigmoid_grouped(x, bias, *args) for x in logits])
             ref = graph_time_us([lambda x=x: topk_sigmoid_grouped_ref(x, bias, *args) for x in logits])
             print(f"{name:30} {t:6} {ours:8.2f} {ref:8.2f}")
+    time_router_gemv()
+
+
+# Nemotron-3-Nano's router: fp32 [128, 2688] against a bf16 row; tiles (BLOCK_N, BLOCK_K, warps, stages).
+ROUTER_GEMV = (128, 2688)
+ROUTER_GEMV_CONFIGS = [(16, 1024, 8, 1), (4, 1024, 4, 1), (2, 1024, 4, 1), (1, 1024, 4, 1), (2, 2048, 8, 1),
+                       (1, 4096, 8, 1)]
+
+
+def time_router_gemv() -> None:
+    """The router's product at one row, as 64 calls on their own weights in a CUDA graph (88 MB,
+    past the L2, as 23 routers among the model's other weights are): x.float() then the fp32 GEMV
+    (two launches), the GEMV widening the bf16 row itself (one), and its tiles."""
+    from kernels.bench.graph_timing import graph_time_us
+    from kernels.gemv import gemv, gemv_config
+    n, k = ROUTER_GEMV
+    ws = [torch.randn(n, k, device="cuda") * 0.02 for _ in range(64)]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(gemv(x, ws[0]), gemv(x.float(), ws[0]))
+    print(f"router GEMV [{n}, {k}] fp32, one bf16 row (default tiles {gemv_config(n, k)}): us a call")
+    print(f"  x.float() + gemv  {graph_time_us([lambda w=w: gemv(x.float(), w) for w in ws]):8.2f}")
+    print(f"  gemv (widening)   {graph_time_us([lambda w=w: gemv(x, w) for w in ws]):8.2f}")
+    for bn, bk, warps, stages in ROUTER_GEMV_CONFIGS:
+        cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+        us = graph_time_us([lambda w=w, cfg=cfg: gemv(x, w, config=cfg) for w in ws])
+        print(f"  tiles {bn:2} x {bk:4}, {warps} warps {us:8.2f}")
 
 
 def main() -> int:

@@ -301,7 +301,10 @@ class FusedMoE(nn.Module):
             x = torch.zeros(t, self.hidden, dtype=self.dtype, device=self.device)
             gate = 1 if self.shared_slots and self.scoring == "softmax" else 0  # the shared expert's gate
             logits = torch.randn(t, self.num_experts + gate, device=x.device)
-            self(x, logits.to(x.dtype))  # the router's dtype
+            if self.scoring == "sigmoid_grouped":  # (an fp32 router, and its correction bias)
+                self(x, logits, torch.zeros(self.num_experts, device=x.device))
+            else:
+                self(x, logits.to(x.dtype))  # the router's dtype
         compile_align_variants(self.num_experts + self.shared_slots, self.top_k + self.shared_slots,
                                self.dtype.itemsize, x.device, self.block_m_of)
 
