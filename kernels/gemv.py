@@ -91,11 +91,21 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, max
         raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
     if scale is not None:
         check_fp8_weight(weight, scale, block)
-    elif x.dtype != weight.dtype:
-        raise TypeError(f"x, weight and bias need one dtype, got {x.dtype}, {weight.dtype}, "
-                        f"{None if bias is None else bias.dtype}")
-    if bias is not None and bias.dtype != x.dtype:
+    elif x.dtype != weight.dtype and not (max_rows == 1 and _widened(x, weight)):
+        raise TypeError(f"x, weight and bias need one dtype (gemv: or a 16-bit x with an fp32 weight), got {x.dtype}, "
+                        f"{weight.dtype}, {None if bias is None else bias.dtype}")
+    if bias is not None and bias.dtype != _out_dtype(x, weight, scale):
         raise TypeError(f"x, weight and bias need one dtype, got {x.dtype}, {weight.dtype}, {bias.dtype}")
+
+
+def _widened(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """A 16-bit x against an fp32 weight (a router kept in fp32, as transformers' Nemotron-H
+    runs it on x.float()): the GEMV widens x in registers, so that the cast is no launch of its own."""
+    return weight.dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def _out_dtype(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.dtype:
+    return weight.dtype if scale is None and _widened(x, weight) else x.dtype
 
 
 def _scale_args(weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[int, int] | None,
@@ -117,13 +127,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          weight_scale: torch.Tensor | None = None, block_size: tuple[int, int] | None = None) -> torch.Tensor:
     """x[1, K] @ weight[N, K]^T (+ bias[N]) -> `out` or a new [1, N] tensor, x's dtype (fp32 sums).
     An FP8 weight comes with its fp32 `weight_scale`: [N] (one per row) or, with `block_size`
-    (bn, bk), [ceil(N/bn), ceil(K/bk)]; it is dequantized in registers (kernels.fp8)."""
+    (bn, bk), [ceil(N/bn), ceil(K/bk)]; it is dequantized in registers (kernels.fp8). A 16-bit x
+    with an fp32 weight (and bias) gives fp32, the same numbers as on x.float()."""
     _check(x, weight, bias, scale=weight_scale, block=block_size)
     n, k = weight.shape
+    dtype = _out_dtype(x, weight, weight_scale)
     if out is None:
-        out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    elif tuple(out.shape) != (1, n) or out.dtype != x.dtype or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous [1, {n}] {x.dtype} tensor, got {tuple(out.shape)} {out.dtype}")
+        out = torch.empty((1, n), dtype=dtype, device=x.device)
+    elif tuple(out.shape) != (1, n) or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [1, {n}] {dtype} tensor, got {tuple(out.shape)} {out.dtype}")
     if n == 0:
         return out
     if k == 0:
@@ -143,7 +155,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
              weight_scale: torch.Tensor | None = None, block_size: tuple[int, int] | None = None) -> torch.Tensor:
-    """The same product in fp32 (fp64 for fp64 inputs), rounded once to x's dtype."""
+    """The same product in fp32 (fp64 for fp64 inputs), rounded once to x's dtype (fp32 for a
+    16-bit x with an fp32 weight)."""
     _check(x, weight, bias, scale=weight_scale, block=block_size)
     return _linear_ref(x, weight, bias, weight_scale, block_size)
 
@@ -161,7 +174,7 @@ def _linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     w = weight.to(acc) if scale is None else dequantize_fp8_ref(weight, scale, block, acc)
     y = F.linear(x.to(acc), w, None if bias is None else bias.to(acc))
-    return y.to(x.dtype)
+    return y.to(_out_dtype(x, weight, scale))
 
 
 SKINNY_MAX_ROWS = 32  # the tiles below were timed up to 32 rows; F.linear beyond

@@ -16,16 +16,22 @@ several), each weighed by the sigmoid of that logit. So the experts' kernels com
 routed ones, rather than three more GEMVs and four elementwise launches a layer. Llama-4's shared
 expert has no gate (`topk_sigmoid`): its slots weigh 1 and the logits have no column for it.
 
-DeepSeek-V3's rule (Nemotron-H's experts: `topk_sigmoid_grouped`) is torch ops alone, on any
-device: sigmoid scores, a per-expert correction bias added for the choice only, the experts in
-`n_group` groups of which the `topk_group` with the largest sums of their two best biased scores
-are kept, the top k of those; each weighed by its unbiased score, renormalised over the k and
-scaled. About ten small launches of static shapes (a CUDA graph keeps them); a kernel like the
-one above would save their launches at batch 1, not built yet.
+DeepSeek-V3's rule (Nemotron-H's experts: `topk_sigmoid_grouped`), one launch too: sigmoid
+scores, a per-expert correction bias added for the choice only, the experts in `n_group` groups
+of which the `topk_group` with the largest sums of their two best biased scores are kept, the
+top k of those; each weighed by its unbiased score, renormalised over the k and scaled. In torch
+(`topk_sigmoid_grouped_ref`, the CPU path) that is about a dozen small launches a layer (sigmoid,
+bias add, group top-2 sums, group top-k, masked fill, top-k, gather, renormalise, scale, cast,
+the shared slots' cat), each waiting for the last. The program holds the row as n_group runs
+of the group's size padded to a power of two (group-major, so a slot's order is its expert's):
+the groups' sums are one reduction along the runs, and each of the k picks one (value, index)
+reduction whose ties go to the lower index. A row of 128 to 512 experts (Nemotron-3-Nano's 128,
+DeepSeek-V3's 256 in 8 groups) is a few registers a thread.
 
 Order and ties: experts come largest first, as `torch.topk` returns them; among equal logits the
-lower expert id first (torch leaves that order unspecified). Weights are computed in fp32,
-exp(l_j - l_max) / sum over the k, and rounded once to the requested dtype.
+lower expert id first (torch leaves that order unspecified; the grouped rule's torch reference
+ranks with stable sorts to keep it, groups likewise). Weights are computed in fp32 (the softmax's
+exp(l_j - l_max) / sum over the k) and rounded once to the requested dtype.
 """
 from __future__ import annotations
 
@@ -35,7 +41,8 @@ import triton.language as tl
 
 from kernels.pdl import pdl_args, pdl_wait
 
-__all__ = ["check_groups", "topk_sigmoid", "topk_sigmoid_grouped", "topk_sigmoid_ref", "topk_softmax", "topk_softmax_ref"]
+__all__ = ["check_groups", "topk_sigmoid", "topk_sigmoid_grouped", "topk_sigmoid_grouped_ref", "topk_sigmoid_ref",
+           "topk_softmax", "topk_softmax_ref"]
 
 
 @triton.jit
@@ -164,26 +171,112 @@ def check_groups(e: int, k: int, n_group: int, topk_group: int) -> None:
                          f"({topk_group} x {e // n_group})")
 
 
+def _check_grouped(logits: torch.Tensor, correction_bias: torch.Tensor | None, k: int, n_group: int,
+                   topk_group: int, shared: int) -> int:
+    e = _check(logits, k, shared, gated=False)
+    check_groups(e, k, n_group, topk_group)
+    bias = correction_bias
+    if bias is not None and (tuple(bias.shape) != (e,) or bias.device != logits.device):
+        raise ValueError(f"correction bias must be [{e}] on {logits.device}, got {tuple(bias.shape)} on {bias.device}")
+    return e
+
+
+@triton.jit
+def _topk_sigmoid_grouped_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_t, scale,
+                                 K: tl.constexpr, K_P2: tl.constexpr, SHARED: tl.constexpr,
+                                 N_GROUP: tl.constexpr, GROUP: tl.constexpr, N_GROUP_P2: tl.constexpr,
+                                 GROUP_P2: tl.constexpr, TOPK_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                                 RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    # The row as N_GROUP_P2 runs of GROUP_P2 slots, group-major: a slot's order is its expert's.
+    pos = tl.arange(0, N_GROUP_P2 * GROUP_P2)
+    group = pos // GROUP_P2
+    expert = group * GROUP + pos % GROUP_P2
+    valid = (pos % GROUP_P2 < GROUP) & (group < N_GROUP)
+    row = logits_ptr + t * stride_t
+    choice = tl.sigmoid(tl.load(row + expert, mask=valid, other=0.0).to(tl.float32))
+    if HAS_BIAS:
+        choice += tl.load(bias_ptr + expert, mask=valid, other=0.0).to(tl.float32)
+    choice = tl.where(valid, choice, float("-inf"))
+    if TOPK_GROUP < N_GROUP:
+        runs = tl.reshape(choice, [N_GROUP_P2, GROUP_P2])
+        best, first = tl.max(runs, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        second = tl.max(tl.where(tl.arange(0, GROUP_P2)[None, :] == first[:, None], float("-inf"), runs), axis=1)
+        groups = tl.arange(0, N_GROUP_P2)
+        sums = tl.where(groups < N_GROUP, best + second, float("-inf"))
+        kept = pos < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            _, g = tl.max(sums, axis=0, return_indices=True, return_indices_tie_break_left=True)
+            kept = kept | (group == g)
+            sums = tl.where(groups == g, float("-inf"), sums)
+        choice = tl.where(kept, choice, float("-inf"))
+    slots = tl.arange(0, K_P2)
+    ids = tl.zeros([K_P2], tl.int32)
+    for j in tl.static_range(K):
+        _, p = tl.max(choice, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        # (a row of NaNs must still name an expert that exists)
+        ids = tl.where(slots == j, tl.minimum((p // GROUP_P2) * GROUP + p % GROUP_P2, N_GROUP * GROUP - 1), ids)
+        choice = tl.where(pos == p, float("-inf"), choice)
+    keep = slots < K
+    # The chosen logits again (the row is in L1): their unbiased scores, as the choice computed them.
+    w = tl.sigmoid(tl.load(row + ids, mask=keep, other=0.0).to(tl.float32))
+    w = tl.where(keep, w, 0.0)
+    if RENORMALIZE:
+        w = w / (tl.sum(w, axis=0) + 1e-20)
+    w = w * scale
+    tl.store(weights_ptr + t * (K + SHARED) + slots, w.to(weights_ptr.dtype.element_ty), mask=keep)
+    tl.store(ids_ptr + t * (K + SHARED) + slots, ids.to(tl.int64), mask=keep)
+    for j in tl.static_range(SHARED):
+        tl.store(weights_ptr + t * (K + SHARED) + K + j, tl.full([], 1.0, weights_ptr.dtype.element_ty))
+        tl.store(ids_ptr + t * (K + SHARED) + K + j, tl.full([], N_GROUP * GROUP + j, tl.int64))
+
+
 def topk_sigmoid_grouped(logits: torch.Tensor, correction_bias: torch.Tensor | None, k: int, n_group: int,
                          topk_group: int, renormalize: bool, scale: float, dtype: torch.dtype,
                          shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3's (and Nemotron-H's) choice, as transformers' NemotronHTopkRouter computes it:
-    s = sigmoid(logits) in fp32; the choice reads s + `correction_bias`: the `topk_group` of
-    `n_group` groups (contiguous runs of E / n_group experts) whose two largest biased scores sum
-    highest, then the k largest biased scores within them; each chosen expert weighs its s,
-    divided by (their sum + 1e-20) when `renormalize`, times `scale`, rounded once to `dtype`;
-    then `shared` slots of weight 1 (an ungated shared expert). (weights [T, k + shared], ids
-    [T, k + shared] int64.)"""
-    e = _check(logits, k, shared, gated=False)
-    check_groups(e, k, n_group, topk_group)
+    """DeepSeek-V3's (and Nemotron-H's) choice, as transformers' NemotronHTopkRouter computes it,
+    in one launch: s = sigmoid(logits) in fp32; the choice reads s + `correction_bias` (fp32 [E]):
+    the `topk_group` of `n_group` groups (contiguous runs of E / n_group experts) whose two largest
+    biased scores sum highest, then the k largest biased scores within them (largest first, the
+    lower id first among equals, groups likewise); each chosen expert weighs its s, divided by
+    (their sum + 1e-20) when `renormalize`, times `scale`, rounded once to `dtype`; then `shared`
+    slots of weight 1 (an ungated shared expert). (weights [T, k + shared], ids [T, k + shared]
+    int64.)"""
+    e = _check_grouped(logits, correction_bias, k, n_group, topk_group, shared)
+    t = logits.shape[0]
+    weights = torch.empty((t, k + shared), dtype=dtype, device=logits.device)
+    ids = torch.empty((t, k + shared), dtype=torch.int64, device=logits.device)
+    if t > 0:
+        logits = logits if logits.stride(1) == 1 else logits.contiguous()
+        groups = n_group if topk_group < n_group else 1  # keeping every group keeps every expert
+        if correction_bias is not None:
+            correction_bias = correction_bias.contiguous()
+        block = triton.next_power_of_2(groups) * triton.next_power_of_2(e // groups)
+        _topk_sigmoid_grouped_kernel[(t,)](
+            logits, correction_bias if correction_bias is not None else logits, weights, ids, logits.stride(0),
+            float(scale), K=k, K_P2=triton.next_power_of_2(k), SHARED=shared, N_GROUP=groups, GROUP=e // groups,
+            N_GROUP_P2=triton.next_power_of_2(groups), GROUP_P2=triton.next_power_of_2(e // groups),
+            TOPK_GROUP=min(topk_group, groups), HAS_BIAS=correction_bias is not None, RENORMALIZE=renormalize,
+            num_warps=4 if block <= 1024 else 8, **pdl_args(logits))
+    return weights, ids
+
+
+def topk_sigmoid_grouped_ref(logits: torch.Tensor, correction_bias: torch.Tensor | None, k: int, n_group: int,
+                             topk_group: int, renormalize: bool, scale: float, dtype: torch.dtype,
+                             shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`topk_sigmoid_grouped` through torch ops (the CPU path). Stable descending sorts rather
+    than `topk` rank the groups and the experts, so that equal values keep the lower id first."""
+    e = _check_grouped(logits, correction_bias, k, n_group, topk_group, shared)
     scores = torch.sigmoid(logits.float())
     choice = scores + correction_bias.float() if correction_bias is not None else scores
     if topk_group < n_group:
         grouped = choice.view(-1, n_group, e // n_group)
-        best = grouped.topk(2, dim=-1)[0].sum(dim=-1)
-        keep = torch.zeros_like(best).scatter_(1, best.topk(topk_group, dim=-1)[1], 1.0)
+        best = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # (values only: their order does not matter)
+        kept = best.sort(dim=-1, descending=True, stable=True)[1][:, :topk_group]
+        keep = torch.zeros_like(best).scatter_(1, kept, 1.0)
         choice = grouped.masked_fill(keep[:, :, None] == 0, float("-inf")).view(-1, e)
-    ids = choice.topk(k, dim=-1)[1]
+    ids = choice.sort(dim=-1, descending=True, stable=True)[1][:, :k]
     weights = scores.gather(1, ids)
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)

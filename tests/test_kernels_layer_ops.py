@@ -401,6 +401,27 @@ def test_gemv_bad_arguments():
         gemv(x, w, out=torch.empty(1, 5, device=DEVICE))
 
 
+@pytest.mark.parametrize("impl", [gemv, gemv_ref], ids=["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gemv_widens_a_16_bit_row_against_an_fp32_weight(impl, dtype):
+    """A router kept in fp32 (Nemotron-H's): a 16-bit x against an fp32 weight and bias gives
+    fp32, against float64 F.linear of x as it is (its widening is exact), output poisoned; the
+    skinny GEMM (more rows) still wants one dtype."""
+    x, w, b = randn(1, 700, dtype=dtype), _nan_padded_rows(37, 700, 24, torch.float32), randn(37, dtype=torch.float32)
+    ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
+    if impl is gemv:
+        out = torch.full((1, 37), float("nan"), device=DEVICE)
+        assert gemv(x, w, b, out=out).data_ptr() == out.data_ptr()
+        got = out
+    else:
+        got = impl(x, w, b)
+    check(got, ref, torch.float32)
+    with pytest.raises(TypeError, match="one dtype"):
+        impl(x, w, b.to(dtype))
+    with pytest.raises(TypeError, match="one dtype"):
+        skinny_gemm(x.expand(2, -1), w)
+
+
 def test_linear_op_routes_one_row_to_the_gemv():
     """The layers' entry point: the same numbers as F.linear for one row, a few and many (on a
     GPU one row goes through the GEMV, 2 to 32 through the skinny GEMM, elsewhere everything
@@ -410,6 +431,11 @@ def test_linear_op_routes_one_row_to_the_gemv():
     for rows in (1, 3, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1):
         x = randn(rows, 72, dtype=torch.float32)
         torch.testing.assert_close(linear_op(x, w, b), torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+        # a 16-bit x against the fp32 weight: fp32, the product of x.float()
+        half = x.to(torch.bfloat16)
+        got = linear_op(half, w, b)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, torch.nn.functional.linear(half.float(), w, b), rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- skinny GEMM (2-32 rows)

@@ -8,7 +8,8 @@ import torch
 from kernels.activation import relu2, relu2_ref, silu_and_mul, silu_and_mul_ref
 from kernels.fused_moe import (_grouped_gemm, fused_experts, fused_experts_ref, moe_align, moe_align_kernel,
                                moe_align_torch, moe_config, tokens_per_tile_band)
-from kernels.moe_routing import topk_sigmoid, topk_sigmoid_grouped, topk_sigmoid_ref, topk_softmax, topk_softmax_ref
+from kernels.moe_routing import (topk_sigmoid, topk_sigmoid_grouped, topk_sigmoid_grouped_ref, topk_sigmoid_ref,
+                                 topk_softmax, topk_softmax_ref)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
@@ -353,16 +354,17 @@ def test_experts_without_a_gate(dtype, t, cfg):
 
 def grouped_oracle(logits, bias, k, n_group, topk_group, renormalize, scale):
     """The grouped choice token by token in float64: groups ranked by their two best biased
-    scores, then the k best biased scores in the kept groups, weighed by their unbiased ones."""
+    scores, then the k best biased scores in the kept groups, weighed by their unbiased ones;
+    equals ranked by the lower group or expert id."""
     t, e = logits.shape
     size = e // n_group
     s = torch.sigmoid(logits.double())
     out_w, out_ids = [], []
     for r in range(t):
         c = s[r] + bias.double()
-        rank = sorted(range(n_group), key=lambda gi: -float(c[gi * size:(gi + 1) * size].topk(2)[0].sum()))
+        rank = sorted(range(n_group), key=lambda gi: (-float(c[gi * size:(gi + 1) * size].topk(2)[0].sum()), gi))
         allowed = [x for gi in rank[:topk_group] for x in range(gi * size, (gi + 1) * size)]
-        chosen = sorted(allowed, key=lambda x: -float(c[x]))[:k]
+        chosen = sorted(allowed, key=lambda x: (-float(c[x]), x))[:k]
         w = s[r, chosen]
         if renormalize:
             w = w / w.sum()
@@ -371,29 +373,79 @@ def grouped_oracle(logits, bias, k, n_group, topk_group, renormalize, scale):
     return torch.stack(out_w), torch.tensor(out_ids)
 
 
-@pytest.mark.parametrize("n_group,topk_group,k", [(1, 1, 3), (4, 2, 3), (4, 1, 2), (2, 2, 4)])
+GROUPED = [topk_sigmoid_grouped, topk_sigmoid_grouped_ref]
+
+
+@pytest.mark.parametrize("impl", GROUPED, ids=["triton", "torch"])
+@pytest.mark.parametrize("n_group,topk_group,k", [(1, 1, 3), (4, 2, 3), (4, 1, 2), (2, 2, 4), (3, 2, 5)])
 @pytest.mark.parametrize("renormalize", [True, False])
-def test_topk_sigmoid_grouped(n_group, topk_group, k, renormalize):
-    """DeepSeek-V3's / Nemotron-H's choice against a float64 evaluation: the bias moves the choice
-    (it is large against the scores' spread) but not the weights; shared slots weigh 1."""
-    t, e = 9, 16
+def test_topk_sigmoid_grouped(impl, n_group, topk_group, k, renormalize):
+    """DeepSeek-V3's / Nemotron-H's choice against a float64 evaluation, largest first: the bias
+    moves the choice (it is large against the scores' spread) but not the weights; shared slots
+    weigh 1; groups of a size not a power of two (3 x 6) too."""
+    t, e = 9, 18 if n_group == 3 else 16
     g = torch.Generator().manual_seed(n_group * 10 + k)
     logits = (torch.randn(t, e, generator=g) * 2).to(DEVICE)
     bias = (torch.randn(e, generator=g) * 0.5).to(DEVICE)
-    want_w, want_ids = grouped_oracle(logits.cpu(), bias.cpu(), k, n_group, topk_group, renormalize, 2.5)
-    weights, ids = topk_sigmoid_grouped(logits, bias, k, n_group, topk_group, renormalize, 2.5, torch.float32,
-                                        shared=2)
-    assert ids.shape == weights.shape == (t, k + 2)
-    order = ids[:, :k].cpu().argsort(dim=1)  # (the order within the k is not part of the contract)
-    assert torch.equal(ids[:, :k].cpu().gather(1, order), want_ids.gather(1, want_ids.argsort(dim=1)))
-    torch.testing.assert_close(weights[:, :k].cpu().gather(1, order).double(),
-                               want_w.gather(1, want_ids.argsort(dim=1)), rtol=1e-6, atol=1e-7)
-    assert torch.equal(ids[:, k:].cpu(), torch.arange(e, e + 2).expand(t, -1)) and (weights[:, k:] == 1).all()
-    unbiased, _ = topk_sigmoid_grouped(logits, None, k, n_group, topk_group, renormalize, 2.5, torch.float32)
-    if n_group == 1:
-        assert not torch.equal(unbiased.cpu(), weights[:, :k].cpu())  # the bias changed some token's choice
+    for shared in (0, 2):
+        want_w, want_ids = grouped_oracle(logits.cpu(), bias.cpu(), k, n_group, topk_group, renormalize, 2.5)
+        weights, ids = impl(logits, bias, k, n_group, topk_group, renormalize, 2.5, torch.float32, shared=shared)
+        assert ids.shape == weights.shape == (t, k + shared) and ids.dtype == torch.int64
+        assert torch.equal(ids[:, :k].cpu(), want_ids)
+        torch.testing.assert_close(weights[:, :k].cpu().double(), want_w, rtol=1e-6, atol=1e-7)
+        assert torch.equal(ids[:, k:].cpu(), torch.arange(e, e + shared).expand(t, -1)) and (weights[:, k:] == 1).all()
+    unbiased, plain_ids = impl(logits, None, k, n_group, topk_group, renormalize, 2.5, torch.float32)
+    want_w, want_ids = grouped_oracle(logits.cpu(), torch.zeros(e), k, n_group, topk_group, renormalize, 2.5)
+    assert torch.equal(plain_ids.cpu(), want_ids)
+    torch.testing.assert_close(unbiased.cpu().double(), want_w, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(plain_ids.cpu(), ids[:, :k].cpu())  # the bias changed some token's choice
     with pytest.raises(ValueError, match="expert groups"):
-        topk_sigmoid_grouped(logits, bias, k, 3, 1, renormalize, 1.0, torch.float32)
+        impl(logits, bias, k, 5, 1, renormalize, 1.0, torch.float32)
+    with pytest.raises(ValueError, match="correction bias must be"):
+        impl(logits, bias[:-1], k, n_group, topk_group, renormalize, 1.0, torch.float32)
+
+
+@pytest.mark.parametrize("e,k,n_group,topk_group", [(16, 4, 1, 1), (24, 5, 4, 2), (128, 6, 1, 1), (64, 8, 8, 3)])
+def test_topk_sigmoid_grouped_ties(e, k, n_group, topk_group):
+    """Forced ties (logits of 3 values, biases of 2, so equal biased scores and equal group sums
+    abound, while unequal ones differ by far more than rounding: no sigmoid(-x) + sigmoid(x) = 1
+    pairs): the kernel, its torch reference and the float64 evaluation (Python's stable sort)
+    agree exactly on the ids and their order, largest first and the lower id first among equals,
+    groups likewise; with and without a bias, in float32 and bfloat16 (128 experts, 6 a token:
+    Nemotron-3-Nano's router)."""
+    t = 12
+    g = torch.Generator().manual_seed(e + k)
+    logits = torch.randint(0, 3, (t, e), generator=g).float().to(DEVICE)
+    for bias in (None, (torch.randint(0, 2, (e,), generator=g) / 8).to(DEVICE)):
+        want_w, want_ids = grouped_oracle(logits.cpu(), torch.zeros(e) if bias is None else bias.cpu(), k, n_group,
+                                          topk_group, True, 2.5)
+        for dtype in (torch.float32, torch.bfloat16):
+            weights, ids = topk_sigmoid_grouped(logits, bias, k, n_group, topk_group, True, 2.5, dtype, shared=1)
+            ref_w, ref_ids = topk_sigmoid_grouped_ref(logits, bias, k, n_group, topk_group, True, 2.5, dtype, shared=1)
+            assert torch.equal(ids[:, :k].cpu(), want_ids) and torch.equal(ref_ids.cpu(), ids.cpu())
+            assert weights.dtype == dtype
+            tol = 1e-6 if dtype == torch.float32 else 1e-2  # (the interpreter truncates to bfloat16)
+            torch.testing.assert_close(weights[:, :k].cpu().double(), want_w, rtol=tol, atol=tol / 10)
+            torch.testing.assert_close(ref_w[:, :k].cpu().double(), want_w, rtol=tol, atol=tol / 10)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("e,k,n_group,topk_group,shared", [(128, 6, 1, 1, 2), (128, 6, 1, 1, 1), (256, 8, 8, 4, 1),
+                                                           (512, 8, 1, 1, 0), (512, 10, 16, 4, 0)])
+@pytest.mark.parametrize("t", [1, 7, 600])
+def test_topk_sigmoid_grouped_gpu(e, k, n_group, topk_group, shared, t):
+    """The kernel compiled, against its torch reference on the GPU: Nemotron-3-Nano's router (128
+    experts, 6 a token, no groups, its shared expert as 2 slots at TP=1, 1 at TP=2), DeepSeek-V3's
+    groups (256 in 8, 4 kept) and wider rows; logits distinct multiples of 1/64 (no near-ties for
+    the two sigmoids' last bits to split), bfloat16 weights within their rounding."""
+    g = torch.Generator().manual_seed(t + e)
+    logits = torch.stack([torch.randperm(e, generator=g) for _ in range(t)]).sub(e / 2).div(64).cuda()
+    bias = (torch.randint(-8, 9, (e,), generator=g) / 64).cuda()
+    for b in (bias, None):
+        weights, ids = topk_sigmoid_grouped(logits, b, k, n_group, topk_group, True, 2.5, torch.bfloat16, shared)
+        ref_w, ref_ids = topk_sigmoid_grouped_ref(logits, b, k, n_group, topk_group, True, 2.5, torch.bfloat16, shared)
+        assert torch.equal(ids, ref_ids)
+        torch.testing.assert_close(weights.float(), ref_w.float(), rtol=8e-3, atol=1e-3)
 
 
 def test_the_ungated_grouped_layer_with_a_shared_expert():

@@ -342,6 +342,24 @@ def test_nemotron_h_correction_bias_moves_the_choice():
     assert (after - ref).abs().max().item() < 1e-3
 
 
+def test_nemotron_h_grouped_router_kernel_in_the_model(monkeypatch):
+    """The grouped router's Triton kernel (the GPU path; here under the interpreter) in place of
+    the torch ops on CPU: the model's prefill logits and greedy tokens are still transformers'."""
+    import kernels.moe_routing
+    import workers.layers.moe
+    monkeypatch.setattr(workers.layers.moe, "topk_sigmoid_grouped_op", kernels.moe_routing.topk_sigmoid_grouped)
+    hf, ours = build("nemotron_h_moe", device=DEVICE)
+    h = Harness(ours, hf.config, device=DEVICE)
+    prompt = torch.randint(0, 300, (24,), generator=torch.Generator().manual_seed(6)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                           attention_mask=torch.ones(1, 24, dtype=torch.long))[0, 24:].tolist()
+    got, _ = h.prefill_logits(prompt)
+    assert (got.cpu() - ref).abs().max().item() < 1e-3
+    assert h.greedy(prompt, 8) == want
+
+
 def test_nemotron_h_moe_refusals():
     from workers.models.nemotron_h import NemotronHForCausalLM
     base = dict(**COMMON, hybrid_override_pattern="M*E-", mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16,

@@ -20,7 +20,8 @@ from kernels.mamba_ssd import ssd_scan_varlen, ssd_scan_varlen_ref
 from kernels.mamba1_scan import (selective_scan_update, selective_scan_update_ref, selective_scan_varlen,
                                  selective_scan_varlen_ref)
 from kernels.mamba_state_update import selective_state_update, selective_state_update_ref
-from kernels.moe_routing import topk_sigmoid, topk_sigmoid_ref, topk_softmax, topk_softmax_ref
+from kernels.moe_routing import (topk_sigmoid, topk_sigmoid_grouped, topk_sigmoid_grouped_ref, topk_sigmoid_ref,
+                                 topk_softmax, topk_softmax_ref)
 from kernels.paged_attention import paged_attention
 from kernels.paged_attention_ref import paged_attention_ref
 from kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
@@ -63,6 +64,7 @@ def fused_experts_op(x: torch.Tensor, w13, w2, topk_weights, topk_ids, act_and_m
 fused_experts_mxfp4_op = _pick(fused_experts_mxfp4, fused_experts_mxfp4_ref)
 topk_softmax_op = _pick(topk_softmax, topk_softmax_ref)
 topk_sigmoid_op = _pick(topk_sigmoid, topk_sigmoid_ref)
+topk_sigmoid_grouped_op = _pick(topk_sigmoid_grouped, topk_sigmoid_grouped_ref)
 swiglu_oai_op = _pick(swiglu_oai_and_mul, swiglu_oai_and_mul_ref)
 ACTIVATIONS = {
     "silu": _pick(silu_and_mul, silu_and_mul_ref),
@@ -77,7 +79,13 @@ def linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
               out: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b), into `out` when given (a 2-D x and a contiguous [rows, N] `out`): on a GPU
     one row (a batch-1 decode step) through the Triton GEMV and 2 to 32 rows through the skinny
-    GEMM, faster there than cuBLAS (kernels/gemv.py); anything else through cuBLAS."""
+    GEMM, faster there than cuBLAS (kernels/gemv.py); anything else through cuBLAS. A 16-bit x
+    with an fp32 weight (a router kept in fp32) gives fp32, the product of x.float(): at one row
+    the GEMV widens x itself (no cast launch)."""
+    if weight.dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16):
+        if x.is_cuda and x.dim() == 2 and x.shape[0] == 1:
+            return gemv(x, weight, bias, out=out)
+        x = x.float()
     if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_ROWS:
         return gemv(x, weight, bias, out=out) if x.shape[0] == 1 else skinny_gemm(x, weight, bias, out=out)
     if out is None:
@@ -122,5 +130,5 @@ __all__ = ["linear_op", "fp8_linear_op", "rms_norm_op", "rotary_op", "store_kv_o
            "act_and_mul", "ungated_act", "causal_conv1d_varlen_op", "causal_conv1d_update_op", "ssd_scan_varlen_op",
            "selective_state_update_op", "selective_scan_varlen_op", "selective_scan_update_op",
            "gated_rms_norm_op", "gated_delta_varlen_op", "gated_delta_update_op",
-           "fused_experts_op", "topk_softmax_op", "topk_sigmoid_op", "swiglu_oai_op",
+           "fused_experts_op", "topk_softmax_op", "topk_sigmoid_op", "topk_sigmoid_grouped_op", "swiglu_oai_op",
            "torch"]

@@ -4,13 +4,18 @@ measured in the same run; past a few hundred tokens the tensor-core FLOPs of k e
 token at the product rate measured in the same run) and (b) a plain bf16 torch loop over the
 chosen experts (transformers' eager experts: gather, two products, index_add).
 
-    python -m kernels.bench.moe
+    python -m kernels.bench.moe            # the experts, then the routers
+    python -m kernels.bench.moe --router   # the routers alone
 
 Routing is uniform (random logits, top-k, softmax over the k), as random router weights give.
 Ours runs inside a CUDA graph (as the engine's decode does) and eagerly; the torch loop eagerly
 (its shapes depend on the routing). The alignment on its own (pairs sorted by expert, in CUDA
 graphs): the one-program Triton kernel against the torch ops. `triton.testing.do_bench` medians,
 cold L2.
+
+The grouped sigmoid router (`topk_sigmoid_grouped`, DeepSeek-V3's rule: Nemotron-H) against its
+torch ops (`topk_sigmoid_grouped_ref`, a dozen small launches), each as a decode step runs it:
+REPS calls back to back in one CUDA graph (`kernels.bench.graph_timing`), microseconds a call.
 """
 from __future__ import annotations
 
@@ -18,11 +23,16 @@ import torch
 
 from kernels.activation import silu_and_mul
 from kernels.fused_moe import ALIGN_KERNEL_MAX_PAIRS, fused_experts, moe_align_kernel, moe_align_torch, moe_config
+from kernels.moe_routing import topk_sigmoid_grouped, topk_sigmoid_grouped_ref
 
 # name: (experts, per token, hidden, expert intermediate)
 SHAPES = {"granite-4.0-h-tiny": (64, 6, 1536, 512), "granite-4.0-h-small": (72, 10, 4096, 768),
           "gpt-oss-20b (bf16)": (32, 4, 2880, 2880)}
 TOKENS = (1, 8, 32, 128, 256, 1024)
+# name: (experts, per token, n_group, topk_group, shared slots); Nemotron-3-Nano's shared expert
+# is two slots at TP=1.
+ROUTERS = {"nemotron-3-nano-30b-a3b": (128, 6, 1, 1, 2), "deepseek-v3 (256 in 8 groups)": (256, 8, 8, 4, 1)}
+ROUTER_TOKENS = (1, 8, 128)
 
 
 def torch_loop(x, w13, w2, weights, ids):
@@ -83,7 +93,54 @@ def time_shape(name: str, shape: tuple[int, int, int, int], bw: float, rate: flo
               f"{t_loop:8.1f} {t_graph / roof:6.2f} {t_loop / t_graph:7.1f}x {a_kernel:6.1f} {a_torch:6.1f}")
 
 
+def time_routers() -> None:
+    from kernels.bench.graph_timing import REPS, graph_time_us
+    print(f"{'router':30} {'tokens':>6} {'kernel':>8} {'torch':>8}   (us a call, {REPS} calls in a CUDA graph)")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for name, (e, k, n_group, topk_group, shared) in ROUTERS.items():
+        # Distinct multiples of 1/64 (no near-ties for the two sigmoids' last bits to split).
+        bias = torch.randint(-8, 9, (e,), device="cuda", generator=g) / 64
+        for t in ROUTER_TOKENS:
+            logits = torch.rand(REPS, t, e, device="cuda", generator=g).argsort(dim=-1).float().sub(e / 2).div(64)
+            args = (k, n_group, topk_group, True, 2.5, torch.bfloat16, shared)
+            got, want = topk_sigmoid_grouped(logits[0], bias, *args), topk_sigmoid_grouped_ref(logits[0], bias, *args)
+            assert torch.equal(got[1], want[1]), f"{name} T={t}: the kernel's choice differs from torch's"
+            ours = graph_time_us([lambda x=x: topk_sigmoid_grouped(x, bias, *args) for x in logits])
+            ref = graph_time_us([lambda x=x: topk_sigmoid_grouped_ref(x, bias, *args) for x in logits])
+            print(f"{name:30} {t:6} {ours:8.2f} {ref:8.2f}")
+    time_router_gemv()
+
+
+# Nemotron-3-Nano's router: fp32 [128, 2688] against a bf16 row; tiles (BLOCK_N, BLOCK_K, warps, stages).
+ROUTER_GEMV = (128, 2688)
+ROUTER_GEMV_CONFIGS = [(16, 1024, 8, 1), (4, 1024, 4, 1), (2, 1024, 4, 1), (1, 1024, 4, 1), (2, 2048, 8, 1),
+                       (1, 4096, 8, 1)]
+
+
+def time_router_gemv() -> None:
+    """The router's product at one row, as 64 calls on their own weights in a CUDA graph (88 MB,
+    past the L2, as 23 routers among the model's other weights are): x.float() then the fp32 GEMV
+    (two launches), the GEMV widening the bf16 row itself (one), and its tiles."""
+    from kernels.bench.graph_timing import graph_time_us
+    from kernels.gemv import gemv, gemv_config
+    n, k = ROUTER_GEMV
+    ws = [torch.randn(n, k, device="cuda") * 0.02 for _ in range(64)]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(gemv(x, ws[0]), gemv(x.float(), ws[0]))
+    print(f"router GEMV [{n}, {k}] fp32, one bf16 row (default tiles {gemv_config(n, k)}): us a call")
+    print(f"  x.float() + gemv  {graph_time_us([lambda w=w: gemv(x.float(), w) for w in ws]):8.2f}")
+    print(f"  gemv (widening)   {graph_time_us([lambda w=w: gemv(x, w) for w in ws]):8.2f}")
+    for bn, bk, warps, stages in ROUTER_GEMV_CONFIGS:
+        cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+        us = graph_time_us([lambda w=w, cfg=cfg: gemv(x, w, config=cfg) for w in ws])
+        print(f"  tiles {bn:2} x {bk:4}, {warps} warps {us:8.2f}")
+
+
 def main() -> int:
+    import sys
+    if "--router" in sys.argv[1:]:
+        time_routers()
+        return 0
     from kernels.bench.roofline import copy_bandwidth, matmul_rate
     bw, rate = copy_bandwidth("cuda"), matmul_rate("cuda")
     print(f"copy {bw / 1e12:.2f} TB/s, bf16 products {rate / 1e12:.0f} TFLOP/s (same run)")
@@ -93,6 +150,7 @@ def main() -> int:
     for name, shape in SHAPES.items():
         time_shape(name, shape, bw, rate, g)
         torch.cuda.empty_cache()
+    time_routers()
     return 0
 
 

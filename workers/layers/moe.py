@@ -19,7 +19,7 @@ shared expert, which has no gate, is kept the same way with weight 1 (`scoring` 
 Nemotron-H's experts have no gate (`gated` False): up_proj alone, [E, I/tp, H] a rank, and an
 elementwise activation (relu^2); its router is DeepSeek-V3's (`scoring` "sigmoid_grouped":
 sigmoid scores, a correction bias for the choice alone, groups of experts, the weights
-renormalised and scaled, in torch: `kernels/moe_routing.py`), its shared expert ungated too.
+renormalised and scaled, one launch: `kernels/moe_routing.py`), its shared expert ungated too.
 """
 from __future__ import annotations
 
@@ -31,8 +31,9 @@ import torch
 from torch import nn
 
 from kernels.fused_moe import compile_align_variants, moe_config, tokens_per_tile_band
-from kernels.moe_routing import check_groups, topk_sigmoid_grouped
-from workers.ops import act_and_mul, fused_experts_op, linear_op, topk_sigmoid_op, topk_softmax_op, ungated_act
+from kernels.moe_routing import check_groups
+from workers.ops import (act_and_mul, fused_experts_op, linear_op, topk_sigmoid_grouped_op, topk_sigmoid_op,
+                         topk_softmax_op, ungated_act)
 from workers.parallel import TPGroup, split_evenly
 
 
@@ -279,8 +280,8 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor,
                 correction_bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.scoring == "sigmoid_grouped":
-            weights, ids = topk_sigmoid_grouped(router_logits, correction_bias, self.top_k, *self.groups,
-                                                self.renormalize, self.scale, x.dtype, self.shared_slots)
+            weights, ids = topk_sigmoid_grouped_op(router_logits, correction_bias, self.top_k, *self.groups,
+                                                   self.renormalize, self.scale, x.dtype, self.shared_slots)
         elif self.scoring == "sigmoid":
             weights, ids = topk_sigmoid_op(router_logits, self.top_k, x.dtype, self.shared_slots)
         else:
@@ -300,7 +301,10 @@ class FusedMoE(nn.Module):
             x = torch.zeros(t, self.hidden, dtype=self.dtype, device=self.device)
             gate = 1 if self.shared_slots and self.scoring == "softmax" else 0  # the shared expert's gate
             logits = torch.randn(t, self.num_experts + gate, device=x.device)
-            self(x, logits.to(x.dtype))  # the router's dtype
+            if self.scoring == "sigmoid_grouped":  # (an fp32 router, and its correction bias)
+                self(x, logits, torch.zeros(self.num_experts, device=x.device))
+            else:
+                self(x, logits.to(x.dtype))  # the router's dtype
         compile_align_variants(self.num_experts + self.shared_slots, self.top_k + self.shared_slots,
                                self.dtype.itemsize, x.device, self.block_m_of)
 

@@ -17,8 +17,8 @@ full_attention, mlp, moe), read through the KV cache plan's reader (`decoder_lay
   down_proj, `moe_intermediate_size`) and the ungated `shared_experts` MLP
   (`moe_shared_expert_intermediate_size`, the same activation), added with weight 1. Routed and
   shared experts are one `FusedMoE` stack (the shared one as its last slots), so the layer's
-  sum leaves through one all-reduce; the grouped choice runs in torch ops on the device
-  (`kernels.moe_routing.topk_sigmoid_grouped`). Latent projections (`moe_latent_size`) and MLP
+  sum leaves through one all-reduce; the grouped choice is one kernel on a GPU
+  (`kernels.moe_routing.topk_sigmoid_grouped`), its torch reference on CPU. Latent projections (`moe_latent_size`) and MLP
   biases on MoE layers are refused;
 * the multi-token-prediction layers (`mtp.*`, speculative decoding only) are not built and their
   tensors are not read.
@@ -125,7 +125,7 @@ class NemotronHMoE(nn.Module):
             scale=float(cfg(config, "routed_scaling_factor", default=1.0)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.gate(x.float())  # transformers' router: float32 input and weight
+        logits = self.gate(x)  # float32, as transformers' router on x.float() (`linear_op` widens x)
         return self.tp.all_reduce(self.experts(x, logits, self.gate.e_score_correction_bias))
 
 
