@@ -12,35 +12,16 @@ published layouts, and their scales:
   "naive-quantized": 8-bit float weights of strategy "tensor" (`weight_scale` [1]), "channel"
   ([N, 1]) or "block" (`block_structure` [bn, bk]: [ceil(N/bn), ceil(K/bk)]); `targets` "Linear"
   or "re:" patterns, `ignore` exact names or "re:" patterns.
-Activations, decided by `use_w8a8` (one rule): W8A8, the computation these checkpoints are
-published for, where the checkpoint's activations are dynamic (fp8: `activation_scheme`
-"dynamic" or absent; compressed-tensors: `input_activations` 8-bit float with `dynamic` true),
-the device has FP8 tensor cores (CUDA capability 8.9 or later) and the model runs in bf16 or
-fp16: decode-sized products (up to 128 rows) quantize x per (row, 128 columns) to e4m3 with a
-dynamic scale inside the kernel and multiply on the FP8 tensor cores (kernels.fp8_gemm).
-Otherwise weight-only FP8 (W8A16, as vLLM's fallback): x stays in the model's dtype; so on CPU,
-on older GPUs, in fp32 models, with static activation scales (a static `input_scale` is not
-read), and for compressed-tensors without `input_activations` (weight-only checkpoints).
-Prefill-sized products take the weight-only path everywhere (the weight dequantized once for
-cuBLAS: there the product, not the weight's conversion, bounds the time). `DISTENGINE_W8A8=0`
-keeps W8A16 everywhere (for comparisons). "mxfp4" is gpt-oss's own format: that model class
-decides on it.
+Activations stay in the model's dtype (weight-only FP8, as vLLM's W8A16 fallback): a static
+`input_scale` is not read. "mxfp4" is gpt-oss's own format: that model class decides on it.
 """
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 
-import torch
-
 FP8, COMPRESSED_TENSORS = "fp8", "compressed-tensors"
 TENSOR, CHANNEL, BLOCK = "tensor", "channel", "block"
-# How a checkpoint's activations enter its FP8 linears: quantized with a dynamic scale per token
-# (group), with a static calibrated scale, or not at all (weight-only).
-DYNAMIC, STATIC, WEIGHT_ONLY = "dynamic", "static", "weight-only"
-# x's quantization group in the W8A8 kernel (kernels.fp8_gemm.ACT_GROUP): block scales must span whole groups.
-_W8A8_GROUP = 128
 # `--quantization` values (vLLM's option): "fp8" asks for FP8 linear weights.
 QUANTIZATION_OPTIONS = (None, FP8)
 # What a dummy load with `--quantization fp8` stores: the published block-wise layout.
@@ -57,7 +38,6 @@ class QuantizationConfig:
     scale_name: str                      # the scale tensor beside each `weight`
     ignore: tuple[str, ...] = ()         # modules left in the model's dtype
     targets: tuple[str, ...] = ("Linear",)  # compressed-tensors' targets ("Linear": every linear)
-    activations: str = DYNAMIC           # DYNAMIC, STATIC or WEIGHT_ONLY
 
     def quantizes(self, name: str) -> bool:
         """Whether the checkpoint stores linear module `name` (our spelling, "model.layers.0...")
@@ -67,18 +47,6 @@ class QuantizationConfig:
             return not any(entry in n for entry in self.ignore for n in names)
         targeted = any(t == "Linear" or _matches(t, n) for t in self.targets for n in names)
         return targeted and not any(_matches(entry, n) for entry in self.ignore for n in names)
-
-
-def use_w8a8(quant: QuantizationConfig | None, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether FP8 linears quantize their activations (W8A8) or keep them in `dtype` (W8A16);
-    the module docstring says when, and why."""
-    if quant is None or quant.activations != DYNAMIC or os.environ.get("DISTENGINE_W8A8", "1") == "0":
-        return False
-    if dtype not in (torch.bfloat16, torch.float16) or torch.device(device).type != "cuda":
-        return False
-    if quant.block_size is not None and (quant.block_size[1] % _W8A8_GROUP or quant.block_size[0] % 16):
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _spellings(name: str) -> list[str]:
@@ -135,14 +103,10 @@ def _fp8(quant: dict) -> QuantizationConfig:
     if quant.get("fmt", "e4m3") != "e4m3":
         raise ValueError(f"fp8 checkpoint: fmt {quant['fmt']!r} is not supported (only 'e4m3')")
     ignore = tuple(quant.get("modules_to_not_convert") or ()) + tuple(quant.get("ignored_layers") or ())
-    scheme = quant.get("activation_scheme") or DYNAMIC
-    if scheme not in (DYNAMIC, STATIC):
-        raise ValueError(f"fp8 checkpoint: activation_scheme {scheme!r} is not supported ('dynamic' or 'static')")
     block = quant.get("weight_block_size")
     if block is None:
-        return QuantizationConfig(FP8, TENSOR, None, "weight_scale", ignore, activations=scheme)
-    return QuantizationConfig(FP8, BLOCK, _block(block, "weight_block_size"), "weight_scale_inv", ignore,
-                              activations=scheme)
+        return QuantizationConfig(FP8, TENSOR, None, "weight_scale", ignore)
+    return QuantizationConfig(FP8, BLOCK, _block(block, "weight_block_size"), "weight_scale_inv", ignore)
 
 
 def _block(block, what: str) -> tuple[int, int]:
@@ -174,25 +138,14 @@ def _compressed_tensors(quant: dict) -> QuantizationConfig:
         if w.get("symmetric") is False:
             raise ValueError(f"compressed-tensors asymmetric weights (zero points, group {name}) are not supported")
         block = _block(w.get("block_structure"), "block_structure") if strategy == BLOCK else None
-        schemes.add((strategy, block, _ct_activations(group.get("input_activations"), name)))
+        schemes.add((strategy, block))
         targets += list(group.get("targets") or ())
     if len(schemes) > 1:
-        raise ValueError(f"compressed-tensors checkpoint with several weight / activation schemes ({sorted(map(str, schemes))}) "
+        raise ValueError(f"compressed-tensors checkpoint with several weight schemes ({sorted(map(str, schemes))}) "
                          f"is not supported (one per checkpoint)")
-    strategy, block, activations = schemes.pop()
+    strategy, block = schemes.pop()
     return QuantizationConfig(COMPRESSED_TENSORS, strategy, block, "weight_scale", tuple(quant.get("ignore") or ()),
-                              tuple(targets), activations)
-
-
-def _ct_activations(act: dict | None, group: str) -> str:
-    """A compressed-tensors group's `input_activations`: absent is weight-only; FP8 ones dynamic
-    or static; other activation types are refused (their products are not FP8 ones)."""
-    if not act:
-        return WEIGHT_ONLY
-    if act.get("type") != "float" or act.get("num_bits") != 8:
-        raise ValueError(f"compressed-tensors input activations of {act.get('num_bits')}-bit {act.get('type')!r} "
-                         f"(group {group}) are not supported (served: 8-bit float, or none)")
-    return DYNAMIC if act.get("dynamic") else STATIC
+                              tuple(targets))
 
 
 def resolve_quantization(hf_config: dict, quantization: str | None, load_format: str) -> QuantizationConfig | None:

@@ -53,10 +53,9 @@ FAMILIES = {
 }
 
 
-def _quantized_checkpoint(folder, fmt: str, seed: int = 0, family: str = "qwen3", head_spread: float = 0.0):
+def _quantized_checkpoint(folder, fmt: str, seed: int = 0, family: str = "qwen3"):
     """A tiny model whose linear weights are stored as `fmt` in `folder`, and transformers' model
-    holding the weights those tensors stand for. `head_spread`: the (unquantized) lm_head's rows
-    scaled by exp(N(0, spread)), so that the top logit stands out as a trained model's does."""
+    holding the weights those tensors stand for."""
     quant, scale_name, layout, input_scale = FORMATS[fmt]
     torch.manual_seed(seed)
     cls_name, extra = FAMILIES[family]
@@ -68,8 +67,6 @@ def _quantized_checkpoint(folder, fmt: str, seed: int = 0, family: str = "qwen3"
                 p.copy_(torch.randn_like(p) * 0.5 + 1.0)
             elif LINEAR.match(n):
                 p.mul_(torch.exp(torch.randn(p.shape[0], 1)))  # rows of different magnitudes
-            elif n == "lm_head.weight" and head_spread:
-                p.mul_(torch.exp(torch.randn(p.shape[0], 1) * head_spread))
     state, float_state = {}, {}
     for name, t in hf.state_dict().items():
         t = t.contiguous()
@@ -180,50 +177,6 @@ def test_unserved_quantization_is_refused_by_name_before_any_weight_is_read(tmp_
         LLM(str(tmp_path), device="cpu", dtype="float32")
     with pytest.raises(ValueError, match=re.escape(message)):
         load_model(tmp_path, Qwen3ForCausalLM, TPGroup(), "float32")
-
-
-@pytest.mark.parametrize("fmt,activations", [("fp8_block", "dynamic"), ("fp8_tensor", "static"), ("ct_tensor", "static"),
-                                             ("ct_channel", "dynamic"), ("ct_block", "dynamic")])
-def test_activation_scheme_is_read(fmt, activations):
-    from distengine.quantization import read_quantization_config
-    assert read_quantization_config({"quantization_config": FORMATS[fmt][0]}).activations == activations
-
-
-def test_w8a8_rule(monkeypatch):
-    """W8A8 where the checkpoint's activations are dynamic, the device has FP8 tensor cores
-    (capability 8.9+) and the model is bf16 / fp16; W8A16 otherwise."""
-    from distengine.quantization import read_quantization_config, resolve_quantization, use_w8a8
-    cuda, cpu, bf16 = torch.device("cuda", 0), torch.device("cpu"), torch.bfloat16
-    capability = [(9, 0)]
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])
-    quant = {fmt: read_quantization_config({"quantization_config": FORMATS[fmt][0]}) for fmt in FORMATS}
-    assert use_w8a8(quant["fp8_block"], cuda, bf16) and use_w8a8(quant["ct_channel"], cuda, torch.float16)
-    assert use_w8a8(resolve_quantization({}, "fp8", "dummy"), cuda, bf16)  # the bench's dummy weights
-    assert use_w8a8(read_quantization_config({"quantization_config": {"quant_method": "fp8"}}), cuda, bf16)
-    assert not use_w8a8(quant["fp8_tensor"], cuda, bf16) and not use_w8a8(quant["ct_tensor"], cuda, bf16)  # static
-    weight_only = read_quantization_config({"quantization_config": _ct_weights()})
-    assert weight_only.activations == "weight-only" and not use_w8a8(weight_only, cuda, bf16)
-    assert not use_w8a8(quant["fp8_block"], cpu, bf16) and not use_w8a8(quant["fp8_block"], cuda, torch.float32)
-    narrow = read_quantization_config({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 64]}})
-    assert not use_w8a8(narrow, cuda, bf16)  # blocks narrower than x's 128-column groups
-    assert not use_w8a8(None, cuda, bf16)
-    capability[0] = (8, 6)
-    assert not use_w8a8(quant["fp8_block"], cuda, bf16)
-    capability[0] = (8, 9)
-    assert use_w8a8(quant["fp8_block"], cuda, bf16)
-    monkeypatch.setenv("DISTENGINE_W8A8", "0")
-    assert not use_w8a8(quant["fp8_block"], cuda, bf16)
-
-
-@pytest.mark.parametrize("quant,message", [
-    ({"quant_method": "fp8", "activation_scheme": "tensorwise"}, "activation_scheme 'tensorwise'"),
-    ({**_ct_weights(), "config_groups": {"g": {**_ct_weights()["config_groups"]["g"], "input_activations": {
-        "num_bits": 8, "type": "int", "dynamic": True}}}}, "input activations of 8-bit 'int'"),
-])
-def test_unserved_activation_schemes_are_refused(quant, message):
-    from distengine.quantization import read_quantization_config
-    with pytest.raises(ValueError, match=re.escape(message)):
-        read_quantization_config({"quantization_config": quant})
 
 
 def test_quantization_option_and_the_checkpoint_must_agree():
@@ -363,43 +316,3 @@ def test_fp8_experts_and_deltanet_projections_are_refused_by_name(tmp_path):
     with pytest.raises(WeightDtypeError, match=r"2 checkpoint tensors .*in_proj_qkvz.weight is stored in FP8 "
                                                r".*experts.gate_up_proj is stored in FP8"):
         load_model(tmp_path, Qwen3NextForCausalLM, TPGroup(), "float32")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["fp8_block", "ct_channel"])
-def test_w8a8_on_gpu_near_transformers(tmp_path, fmt):
-    """bf16 on a GPU with FP8 tensor cores: the FP8 linears take W8A8 (x quantized per 128
-    columns), so decode steps differ from transformers' dequantized float32 model by the
-    activations' e4m3 rounding. Each decode step's logits (the whole-vocabulary logprobs, centered)
-    lie within 0.4 of the reference's norm (simulating the rule in transformers on CPU gave
-    0.21 / 0.28 for these two checkpoints, bf16 W8A16 0.05), and the token taken is transformers'
-    argmax on the same prefix at 90% of the positions or more (the simulation: 96% / 95%)."""
-    from distengine import LLM, SamplingParams
-    from workers.layers.linear import _ParallelLinear
-    from workers.loader import load_model
-    from workers.models.qwen3 import Qwen3ForCausalLM
-    from workers.parallel import TPGroup
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("no FP8 tensor cores (capability 8.9+): FP8 linears stay W8A16")
-    hf = _quantized_checkpoint(tmp_path, fmt, head_spread=1.5)
-    model = load_model(tmp_path, Qwen3ForCausalLM, TPGroup(), "bfloat16", device="cuda")
-    fp8 = [m for m in model.modules() if isinstance(m, _ParallelLinear) and m.fp8 is not None]
-    assert fp8 and all(m.fp8.w8a8 for m in fp8)
-    del model
-    prompts = _prompts(4)
-    n = 24
-    with LLM(str(tmp_path), device="cuda", dtype="bfloat16", max_model_len=128) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=-1), use_tqdm=False)
-    agree = total = 0
-    for p, o in zip(prompts, outs):
-        tokens = o.outputs[0].token_ids
-        with torch.no_grad():
-            want = torch.log_softmax(hf(torch.tensor([p + tokens[:-1]])).logits[0, len(p) - 1:].double(), -1)
-        for i in range(1, n):  # the first token comes from the prefill, which dequantizes for cuBLAS
-            got = torch.tensor([o.outputs[0].logprobs[i][t] for t in range(want.shape[1])], dtype=torch.float64)
-            ref = want[i] - want[i].mean()
-            assert ((got - got.mean() - ref).norm() / ref.norm()).item() < 0.4, (p, i)
-            agree += int(tokens[i] == int(want[i].argmax()))
-            total += 1
-    assert agree >= 0.9 * total, (agree, total)

@@ -8,7 +8,6 @@ from kernels.activation import (relu2, relu2_ref, gelu_tanh_and_mul, gelu_tanh_a
 from kernels.kv_store import store_kv, store_kv_ref
 from kernels.gated_rmsnorm import gated_rms_norm, gated_rms_norm_ref
 from kernels.fp8 import dequantize_fp8, dequantize_fp8_ref
-from kernels.fp8_gemm import W8A8_MAX_ROWS, w8a8_gemm
 from kernels.fused_moe import fused_experts, fused_experts_ref
 from kernels.fused_moe_mxfp4 import fused_experts_mxfp4, fused_experts_mxfp4_ref
 from kernels.gated_delta import gated_delta_update, gated_delta_update_ref, gated_delta_varlen, gated_delta_varlen_ref
@@ -96,16 +95,12 @@ def linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
 
 
 def fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-                  bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                  w8a8: bool = False) -> torch.Tensor:
-    """`linear_op` for an FP8 weight and its scales (kernels.fp8): up to 128 rows on a GPU, with
-    `w8a8` (the layer's decision, `distengine.quantization.use_w8a8`) x quantized to e4m3 and the
-    product on the FP8 tensor cores (kernels.fp8_gemm), else the GEMV / skinny GEMM dequantizing
-    the weight in registers, reading it at one byte an element; more rows (prefill, big decode
-    batches) dequantize the weight to x's dtype for cuBLAS; on CPU the torch references."""
+                  bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear_op` for an FP8 weight and its scales (kernels.fp8): up to 128 rows on a GPU the
+    GEMV / skinny GEMM dequantize in registers, reading the weight at one byte an element; more
+    rows (prefill, big decode batches) dequantize the weight to x's dtype for cuBLAS; on CPU the
+    torch references."""
     if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= FP8_SKINNY_MAX_ROWS:
-        if w8a8 and x.shape[0] <= W8A8_MAX_ROWS:
-            return w8a8_gemm(x, weight, scale, block, bias, out=out)
         kernel = gemv if x.shape[0] == 1 else skinny_gemm
         return kernel(x, weight, bias, out=out, weight_scale=scale, block_size=block)
     w = (dequantize_fp8 if x.is_cuda else dequantize_fp8_ref)(weight, scale, block, x.dtype)

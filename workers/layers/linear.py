@@ -10,9 +10,7 @@ as stored (float8_e4m3fn) and an fp32 scale parameter under the checkpoint's nam
 blocks (a split that cuts a block is refused when the layer is built), per-channel scales with
 the output rows. Per-tensor scales become per-row ones, each part of a fused layer keeping its
 own: exact, where taking the parts' largest scale (vLLM) would requantize the others; it costs
-4 bytes per output row. Whether a layer quantizes its activations too (W8A8) is decided when it
-is built, by `distengine.quantization.use_w8a8`. The loader builds a model inside
-`quantized_linears(config)`.
+4 bytes per output row. The loader builds a model inside `quantized_linears(config)`.
 """
 from __future__ import annotations
 
@@ -23,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from distengine.quantization import BLOCK, CHANNEL, QuantizationConfig, use_w8a8
+from distengine.quantization import BLOCK, CHANNEL, QuantizationConfig
 from kernels.fp8 import FP8_DTYPE, scale_shape
 from workers.ops import fp8_linear_op, linear_op
 from workers.parallel import TPGroup, kv_head_share, split_evenly
@@ -60,11 +58,10 @@ def refuse_fp8(family: str, why: str) -> None:
 class Fp8Layout:
     """How an FP8 linear keeps its scales: `scale_name` (the checkpoint's tensor name), `block`
     (bn, bk) or None for one scale per output row, and the checkpoint's strategy (the shape of
-    its scale tensors); `w8a8`: decode-sized products quantize x (kernels.fp8_gemm)."""
+    its scale tensors)."""
     scale_name: str
     block: tuple[int, int] | None
     strategy: str
-    w8a8: bool = False
 
 
 def _check_shape(name: str, got: torch.Size, want: tuple[int, ...]) -> None:
@@ -92,8 +89,7 @@ class _ParallelLinear(nn.Module):
             self.weight = nn.Parameter(torch.empty(rows, cols, dtype=dtype, device=device), requires_grad=False)
             return
         assert quant is not None
-        self.fp8 = Fp8Layout(quant.scale_name, quant.block_size if quant.strategy == BLOCK else None, quant.strategy,
-                             use_w8a8(quant, device, dtype))
+        self.fp8 = Fp8Layout(quant.scale_name, quant.block_size if quant.strategy == BLOCK else None, quant.strategy)
         self.weight = nn.Parameter(torch.empty(rows, cols, dtype=FP8_DTYPE, device=device), requires_grad=False)
         scale = torch.empty(scale_shape(rows, cols, self.fp8.block), dtype=torch.float32, device=device)
         setattr(self, quant.scale_name, nn.Parameter(scale, requires_grad=False))
@@ -134,7 +130,7 @@ class _ParallelLinear(nn.Module):
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.fp8 is None:
             return linear_op(x, self.weight, bias, out=out)
-        return fp8_linear_op(x, self.weight, self.fp8_scale, self.fp8.block, bias, out=out, w8a8=self.fp8.w8a8)
+        return fp8_linear_op(x, self.weight, self.fp8_scale, self.fp8.block, bias, out=out)
 
 
 class ColumnParallelLinear(_ParallelLinear):
