@@ -247,20 +247,23 @@ def build(name: str, seed: int = 0, device: str = "cpu"):
     return hf, ours
 
 
+def assert_matches_transformers(hf, ours, length: int, new_tokens: int, seed: int, device: str = "cpu") -> None:
+    """A random prompt's prefill logits (within 1e-3) and greedy tokens: ours as transformers'."""
+    h = Harness(ours, hf.config, device=device)
+    prompt = torch.randint(0, 300, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
+                           attention_mask=torch.ones(1, length, dtype=torch.long))[0, length:].tolist()
+    got, _ = h.prefill_logits(prompt)
+    assert (got.cpu() - ref).abs().max().item() < 1e-3
+    assert h.greedy(prompt, new_tokens) == want
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_prefill_logits_and_greedy_match_transformers(name):
     hf, ours = build(name, device=DEVICE)
-    h = Harness(ours, hf.config, device=DEVICE)
-    g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, 300, (40,), generator=g).tolist()  # longer than the windows (12)
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0]
-    got, _ = h.prefill_logits(prompt)
-    assert (got.cpu() - ref).abs().max().item() < 1e-3
-    with torch.no_grad():
-        want = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
-                           attention_mask=torch.ones(1, 40, dtype=torch.long))[0, 40:].tolist()
-    assert h.greedy(prompt, 32) == want
+    assert_matches_transformers(hf, ours, 40, 32, seed=1, device=DEVICE)  # longer than the windows (12)
 
 
 @pytest.mark.parametrize("name", ["mistral", "qwen3", "gemma2", "gemma3", "gemma4", "gemma4_moe", "cohere2", "gpt_oss", "llama4", *HYBRIDS,
@@ -349,15 +352,7 @@ def test_nemotron_h_grouped_router_kernel_in_the_model(monkeypatch):
     import workers.layers.moe
     monkeypatch.setattr(workers.layers.moe, "topk_sigmoid_grouped_op", kernels.moe_routing.topk_sigmoid_grouped)
     hf, ours = build("nemotron_h_moe", device=DEVICE)
-    h = Harness(ours, hf.config, device=DEVICE)
-    prompt = torch.randint(0, 300, (24,), generator=torch.Generator().manual_seed(6)).tolist()
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0]
-        want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
-                           attention_mask=torch.ones(1, 24, dtype=torch.long))[0, 24:].tolist()
-    got, _ = h.prefill_logits(prompt)
-    assert (got.cpu() - ref).abs().max().item() < 1e-3
-    assert h.greedy(prompt, 8) == want
+    assert_matches_transformers(hf, ours, 24, 8, seed=6, device=DEVICE)
 
 
 def test_nemotron_h_moe_refusals():
@@ -543,12 +538,4 @@ def test_jamba_without_biases_or_experts_matches_transformers(monkeypatch):
                                                       eos_token_id=None, initializer_range=0.1)))
     hf, ours = build("jamba_plain")
     assert ours.model.layers[1].mamba.conv1d.bias is None and ours.model.layers[1].mamba.out_proj.bias is None
-    h = Harness(ours, hf.config)
-    prompt = torch.randint(0, 300, (30,), generator=torch.Generator().manual_seed(5)).tolist()
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt])).logits[0]
-        want = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
-                           attention_mask=torch.ones(1, 30, dtype=torch.long))[0, 30:].tolist()
-    got, _ = h.prefill_logits(prompt)
-    assert (got - ref).abs().max().item() < 1e-3
-    assert h.greedy(prompt, 16) == want
+    assert_matches_transformers(hf, ours, 30, 16, seed=5)
