@@ -22,6 +22,8 @@ loop over experts (the engine's path on CPU, and the tests' oracle).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -72,6 +74,42 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[t
     if topk_ids.is_cuda and 0 < n <= ALIGN_KERNEL_MAX_PAIRS:
         return moe_align_kernel(topk_ids, num_experts, block_m)
     return moe_align_torch(topk_ids, num_experts, block_m)
+
+
+@dataclass(frozen=True)
+class RowTiles:
+    """Which rows each program of the grouped GEMMs takes: `moe_align`'s rows and block_expert,
+    or with `pair_tiles` (a single token: its k experts are distinct) none of them, tile j being
+    the pair j alone, of expert block_expert[j] = topk_ids[0, j]; that saves the alignment's
+    launch at batch 1."""
+    rows: torch.Tensor
+    block_expert: torch.Tensor
+    pair_tiles: bool
+
+    @property
+    def num_tiles(self) -> int:
+        return self.block_expert.numel()
+
+
+def row_tiles(topk_ids: torch.Tensor, num_experts: int, block_m: int, pair_tiles: bool = True) -> RowTiles:
+    """The tiles of a batch; `pair_tiles` False aligns a single token too."""
+    if topk_ids.shape[0] == 1 and pair_tiles:
+        ids = topk_ids.reshape(-1).contiguous()
+        return RowTiles(ids, ids, True)
+    return RowTiles(*moe_align(topk_ids, num_experts, block_m), False)
+
+
+@triton.jit
+def tile_rows(rows_ptr, bexp_ptr, num_rows, BLOCK_M: tl.constexpr, PAIR_TILES: tl.constexpr):
+    """`RowTiles` in a GEMM program: the expert of its row tile (-1: none) and the tile's rows
+    (num_rows: padding)."""
+    pid_m = tl.program_id(0)
+    expert = tl.load(bexp_ptr + pid_m).to(tl.int64)
+    if PAIR_TILES:
+        rows = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_rows)
+    else:
+        rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    return expert, rows
 
 
 def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,18 +187,16 @@ def moe_align_kernel(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
 def _moe_gemm_kernel(a_ptr, w_ptr, b_ptr, c_ptr, rw_ptr, rows_ptr, bexp_ptr, N, K, num_rows,
                      stride_am, stride_we, stride_wn, stride_be, stride_cm,
                      A_ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_ROUTED: tl.constexpr,
-                     ACT: tl.constexpr, GATED: tl.constexpr,
+                     ACT: tl.constexpr, GATED: tl.constexpr, PAIR_TILES: tl.constexpr,
                      DOT_F32: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of c[rows] = a[rows // A_ROW_DIV] @ w[e]^T (+ b[e]) (* rw[rows])
     for the tile's expert e. ACT >= 0 (`kernels.activation.apply_act`) applies the activation to
     the tile; GATED: of w[e]'s rows n (gate) and N + n (up), c being [.., N]."""
     pdl_wait(PDL)
-    pid_m = tl.program_id(0)
-    expert = tl.load(bexp_ptr + pid_m).to(tl.int64)
+    expert, rows = tile_rows(rows_ptr, bexp_ptr, num_rows, BLOCK_M, PAIR_TILES)
     if expert < 0:
         return
-    rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     row_ok = rows < num_rows
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
@@ -228,19 +264,19 @@ def tokens_per_tile_band(num_experts: int, top_k: int) -> list[int]:
     return [1] + [-(-(band + 1) * num_experts // top_k) for band in ROW_BANDS]
 
 
-def _grouped_gemm(a, w, b, rows, block_expert, out, routed, a_row_div: int, cfg: dict,
+def _grouped_gemm(a, w, b, tiles: RowTiles, out, routed, a_row_div: int, cfg: dict,
                   act: tuple[int, bool] | None = None) -> None:
     """out[rows] = a[rows // a_row_div] @ w[e]^T (+ b) (* routed); with `act` (`fusable`'s (ACT,
     GATED)) its activation, of (gate, up) row pairs n and N + n when gated (out [rows, N])."""
     k = w.shape[2]
     code, gated = act if act is not None else (-1, False)
     n = out.shape[1]
-    grid = (block_expert.numel(), triton.cdiv(n, cfg["BLOCK_N"]))
+    grid = (tiles.num_tiles, triton.cdiv(n, cfg["BLOCK_N"]))
     _moe_gemm_kernel[grid](
-        a, w, b if b is not None else w, out, routed if routed is not None else out, rows, block_expert,
+        a, w, b if b is not None else w, out, routed if routed is not None else out, tiles.rows, tiles.block_expert,
         n, k, out.shape[0], a.stride(0), w.stride(0), w.stride(1), b.stride(0) if b is not None else 0,
         out.stride(0), A_ROW_DIV=a_row_div, HAS_BIAS=b is not None, MUL_ROUTED=routed is not None,
-        ACT=code, GATED=gated, DOT_F32=_interpreter_bf16(a), PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        ACT=code, GATED=gated, PAIR_TILES=tiles.pair_tiles, DOT_F32=_interpreter_bf16(a), PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **pdl_args(a))
 
@@ -305,7 +341,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     if t == 0:
         return x.new_zeros((0, h))
     cfg = config or moe_config(t * k, e, x.element_size())
-    rows, block_expert = moe_align(topk_ids, e, cfg["BLOCK_M"])
+    tiles = row_tiles(topk_ids, e, cfg["BLOCK_M"])
     x = x if x.stride(1) == 1 else x.contiguous()
     routed = topk_weights.reshape(-1).contiguous()
     first_routed = routed if weight_input else None
@@ -315,13 +351,13 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         # gated program reads BLOCK_N gate and BLOCK_N up rows: half the columns, as many rows.
         inter = torch.empty((t * k, w2.shape[2]), dtype=x.dtype, device=x.device)
         first = dict(cfg, BLOCK_N=cfg["BLOCK_N"] // 2) if act[1] else cfg
-        _grouped_gemm(x, w13, b13, rows, block_expert, inter, first_routed, k, first, act)
+        _grouped_gemm(x, w13, b13, tiles, inter, first_routed, k, first, act)
     else:
         gate_up = torch.empty((t * k, two_i), dtype=x.dtype, device=x.device)
-        _grouped_gemm(x, w13, b13, rows, block_expert, gate_up, first_routed, k, cfg)
+        _grouped_gemm(x, w13, b13, tiles, gate_up, first_routed, k, cfg)
         inter = act_and_mul(gate_up)
     out = torch.empty((t * k, h), dtype=x.dtype, device=x.device)
-    _grouped_gemm(inter, w2, b2, rows, block_expert, out, None if weight_input else routed, 1, cfg)
+    _grouped_gemm(inter, w2, b2, tiles, out, None if weight_input else routed, 1, cfg)
     return _sum_over_k(out, t, k)
 
 

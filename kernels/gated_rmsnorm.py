@@ -17,6 +17,8 @@ classes upcast x before it: Bamba casts x first, Falcon multiplies x by an fp32 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -24,7 +26,41 @@ import triton.language as tl
 
 from kernels.pdl import pdl_args, pdl_wait
 
-__all__ = ["gated_rms_norm", "gated_rms_norm_ref"]
+__all__ = ["gated_rms_norm", "gated_rms_norm_ref", "GatedRMSNorm", "gated_norm_values"]
+
+
+@dataclass(frozen=True)
+class GatedRMSNorm:
+    """The gated RMSNorm a product's input goes through first (`gemv(..., norm=)`): the gate `z`
+    `[1, I]`, the weight `[I]` and the options of `gated_rms_norm`."""
+    z: torch.Tensor
+    weight: torch.Tensor
+    group_size: int
+    eps: float
+    norm_before_gate: bool = False
+    round_before_weight: bool = False
+
+    def apply(self, x: torch.Tensor, ref: bool = False) -> torch.Tensor:
+        fn = gated_rms_norm_ref if ref else gated_rms_norm
+        return fn(x, self.z, self.weight, self.group_size, self.eps, self.norm_before_gate, self.round_before_weight)
+
+
+@triton.jit
+def gated_norm_values(x, z, w, group_size, eps, NORM_BEFORE_GATE: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr,
+                      DTYPE: tl.constexpr):
+    """fp32 tiles [groups, BLOCK] (masked entries 0) -> the normalised, gated values in DTYPE:
+    the one formula of the norm kernel and of the GEMV that takes the norm as its prologue."""
+    gate = z / (1.0 + tl.exp(-z))
+    if not NORM_BEFORE_GATE:
+        x = x * gate
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / group_size + eps)
+    y = x * rstd[:, None]
+    if ROUND_BEFORE_WEIGHT:
+        y = y.to(DTYPE).to(tl.float32)
+    y = y * w
+    if NORM_BEFORE_GATE:
+        y = y * gate
+    return y.to(DTYPE)
 
 
 @triton.jit
@@ -39,18 +75,9 @@ def _gated_rms_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, num_groups, group_size,
     offs = groups[:, None] * group_size + cols[None, :]
     x = tl.load(x_ptr + row * sx + offs, mask=mask, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + row * sz + offs, mask=mask, other=0.0).to(tl.float32)
-    gate = z / (1.0 + tl.exp(-z))
-    if not NORM_BEFORE_GATE:
-        x = x * gate
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / group_size + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = x * rstd[:, None]
-    if ROUND_BEFORE_WEIGHT:
-        y = y.to(out_ptr.dtype.element_ty).to(tl.float32)
-    y = y * w
-    if NORM_BEFORE_GATE:
-        y = y * gate
-    tl.store(out_ptr + row * so + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    y = gated_norm_values(x, z, w, group_size, eps, NORM_BEFORE_GATE, ROUND_BEFORE_WEIGHT, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * so + offs, y, mask=mask)
 
 
 def _check(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int) -> None:

@@ -27,10 +27,11 @@ import triton
 import triton.language as tl
 
 from kernels.fp8 import check_fp8_weight, dequantize_fp8_ref
+from kernels.gated_rmsnorm import GatedRMSNorm, gated_norm_values
 from kernels.paged_attention import _interpreter_bf16
 from kernels.pdl import pdl_args, pdl_wait
 
-__all__ = ["gemv", "gemv_ref", "gemv_config", "skinny_gemm", "skinny_gemm_ref", "skinny_config", "SKINNY_MAX_ROWS",
+__all__ = ["gemv", "gemv_ref", "gemv_config", "fuses_gated_norm", "NORM_MAX_GROUP", "skinny_gemm", "skinny_gemm_ref", "skinny_config", "SKINNY_MAX_ROWS",
            "FP8_SKINNY_MAX_ROWS"]
 
 
@@ -39,15 +40,19 @@ SCALE_NONE, SCALE_ROW, SCALE_BLOCK = tl.constexpr(0), tl.constexpr(1), tl.conste
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, s_ptr, N, K, stride_wn, stride_sn, BN_Q, BK_Q,
-                 HAS_BIAS: tl.constexpr, SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PDL: tl.constexpr):
-    pdl_wait(PDL)
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, s_ptr, z_ptr, nw_ptr, eps, N, K, stride_wn, stride_sn, BN_Q, BK_Q,
+                 HAS_BIAS: tl.constexpr, SCALE: tl.constexpr, NORM: tl.constexpr, GROUP: tl.constexpr,
+                 NORM_BEFORE_GATE: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < N
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
+    # The weight is written by no kernel of a step, so its first tile is read before the wait:
+    # with PDL the fetch overlaps the kernel before (kernels/pdl.py).
+    w_next = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & (rk < K)[None, :], other=0.0)
+    pdl_wait(PDL)
     # A program's rows lie in one scale block (BN_Q is a multiple of BLOCK_N): its scales vary
     # along K only, and scale x rather than the wider weight tile.
     s_row = s_ptr + (pid * BLOCK_N // BN_Q) * stride_sn
@@ -55,8 +60,19 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, s_ptr, N, K, stride_wn, stride_sn, 
     for k in range(0, K, BLOCK_K):
         kk = k + rk
         k_ok = kk < K
-        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+        w = w_next
+        kn = kk + BLOCK_K
+        w_next = tl.load(w_rows + kn[None, :], mask=n_ok[:, None] & (kn < K)[None, :], other=0.0)
+        if NORM:  # the gated RMSNorm of x: a K step holds whole groups (GROUP divides BLOCK_K)
+            gk = k + tl.arange(0, BLOCK_K // GROUP)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+            g_ok = gk < K
+            x = gated_norm_values(tl.load(x_ptr + gk, mask=g_ok, other=0.0).to(tl.float32),
+                                  tl.load(z_ptr + gk, mask=g_ok, other=0.0).to(tl.float32),
+                                  tl.load(nw_ptr + gk, mask=g_ok, other=0.0).to(tl.float32), GROUP, eps,
+                                  NORM_BEFORE_GATE, ROUND_BEFORE_WEIGHT, x_ptr.dtype.element_ty)
+            x = tl.reshape(x, [BLOCK_K]).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
         if SCALE == SCALE_BLOCK:
             x *= tl.load(s_row + kk // BK_Q, mask=k_ok, other=0.0)
         acc += w.to(tl.float32) * x[None, :]
@@ -122,14 +138,46 @@ def _scale_args(weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[i
     return dict(s_ptr=scale, stride_sn=scale.stride(0), BN_Q=block[0], BK_Q=block[1], SCALE=SCALE_BLOCK)
 
 
+# The widest norm group the GEMV takes: a batch-1 decode step of Qwen3.6-35B-A3B (its Gated DeltaNet
+# heads, groups of 128) took 2.79 ms with the norm in the output projection against 2.84 without;
+# Nemotron-3-Nano's groups of 512 lost (2.49 against 2.46 ms; one H200, the same call).
+NORM_MAX_GROUP = 128
+
+
+def fuses_gated_norm(norm: GatedRMSNorm) -> bool:
+    """Whether `gemv` can apply `norm` to its input itself: its groups must tile the K steps
+    (a power of two, at most NORM_MAX_GROUP)."""
+    g = norm.group_size
+    return 0 < g <= NORM_MAX_GROUP and g & (g - 1) == 0
+
+
+def _check_norm(x: torch.Tensor, norm: GatedRMSNorm) -> None:
+    k = x.shape[1]
+    if not fuses_gated_norm(norm):
+        raise ValueError(f"gemv applies a gated norm of power-of-two groups up to {NORM_MAX_GROUP}, "
+                         f"got groups of {norm.group_size}")
+    if k % norm.group_size:
+        raise ValueError(f"the norm's groups of {norm.group_size} must divide K={k}")
+    if tuple(norm.z.shape) != (1, k) or norm.z.stride(1) != 1 or norm.z.dtype != x.dtype:
+        raise ValueError(f"the norm's gate must be a [1, {k}] {x.dtype} row with unit column stride, got "
+                         f"{tuple(norm.z.shape)} {norm.z.dtype}")
+    if tuple(norm.weight.shape) != (k,) or not norm.weight.is_contiguous():
+        raise ValueError(f"the norm's weight must be a contiguous [{k}], got {tuple(norm.weight.shape)}")
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          out: torch.Tensor | None = None, config: dict | None = None,
-         weight_scale: torch.Tensor | None = None, block_size: tuple[int, int] | None = None) -> torch.Tensor:
+         weight_scale: torch.Tensor | None = None, block_size: tuple[int, int] | None = None,
+         norm: GatedRMSNorm | None = None) -> torch.Tensor:
     """x[1, K] @ weight[N, K]^T (+ bias[N]) -> `out` or a new [1, N] tensor, x's dtype (fp32 sums).
     An FP8 weight comes with its fp32 `weight_scale`: [N] (one per row) or, with `block_size`
     (bn, bk), [ceil(N/bn), ceil(K/bk)]; it is dequantized in registers (kernels.fp8). A 16-bit x
-    with an fp32 weight (and bias) gives fp32, the same numbers as on x.float()."""
+    with an fp32 weight (and bias) gives fp32, the same numbers as on x.float(). With `norm` the
+    product takes norm.apply(x), formed step by step in registers (`fuses_gated_norm`): the same
+    numbers as the norm kernel's output, without its launch and its round trip to memory."""
     _check(x, weight, bias, scale=weight_scale, block=block_size)
+    if norm is not None:
+        _check_norm(x, norm)
     n, k = weight.shape
     dtype = _out_dtype(x, weight, weight_scale)
     if out is None:
@@ -144,20 +192,31 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x = x.contiguous()
     if weight.stride(1) != 1:
         weight = weight.contiguous()
-    cfg = config or gemv_config(n, k)
+    cfg = dict(config or gemv_config(n, k))
+    group = 1
+    if norm is not None:
+        group = norm.group_size
+        cfg["BLOCK_K"] = max(cfg["BLOCK_K"], group)
     _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-        x, weight, bias if bias is not None else x, out, N=n, K=k, stride_wn=weight.stride(0),
-        **_scale_args(weight, weight_scale, block_size, cfg["BLOCK_N"]), HAS_BIAS=bias is not None,
-        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        x, weight, bias if bias is not None else x, out, **_scale_args(weight, weight_scale, block_size, cfg["BLOCK_N"]),
+        z_ptr=x if norm is None else norm.z, nw_ptr=x if norm is None else norm.weight,
+        eps=0.0 if norm is None else float(norm.eps), N=n, K=k, stride_wn=weight.stride(0), HAS_BIAS=bias is not None,
+        NORM=norm is not None, GROUP=group, NORM_BEFORE_GATE=norm is not None and bool(norm.norm_before_gate),
+        ROUND_BEFORE_WEIGHT=norm is not None and bool(norm.round_before_weight), BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl_args(x))
     return out
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-             weight_scale: torch.Tensor | None = None, block_size: tuple[int, int] | None = None) -> torch.Tensor:
+             weight_scale: torch.Tensor | None = None, block_size: tuple[int, int] | None = None,
+             norm: GatedRMSNorm | None = None) -> torch.Tensor:
     """The same product in fp32 (fp64 for fp64 inputs), rounded once to x's dtype (fp32 for a
-    16-bit x with an fp32 weight)."""
+    16-bit x with an fp32 weight); with `norm`, of norm.apply(x, ref=True)."""
     _check(x, weight, bias, scale=weight_scale, block=block_size)
+    if norm is not None:
+        _check_norm(x, norm)
+        x = norm.apply(x, ref=True)
     return _linear_ref(x, weight, bias, weight_scale, block_size)
 
 

@@ -11,7 +11,8 @@ import torch
 
 from kernels.activation import (relu2, relu2_ref, gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref,
                                 swiglu_oai_and_mul, swiglu_oai_and_mul_ref)
-from kernels.gemv import SKINNY_MAX_ROWS, gemv, gemv_ref, skinny_config, skinny_gemm, skinny_gemm_ref
+from kernels.gated_rmsnorm import GatedRMSNorm, gated_rms_norm, gated_rms_norm_ref
+from kernels.gemv import NORM_MAX_GROUP, SKINNY_MAX_ROWS, gemv, gemv_ref, skinny_config, skinny_gemm, skinny_gemm_ref
 from kernels.kv_store import store_kv, store_kv_ref
 from kernels.layernorm import rms_norm, rms_norm_ref
 from kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
@@ -385,6 +386,59 @@ def test_gemv(impl, dtype, n, k, cfg, bias):
     else:
         got = impl(x, w, b)
     check(got, ref, dtype)
+
+
+@pytest.mark.parametrize("impl", [gemv, gemv_ref], ids=["triton", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("group,k,n,cfg", [
+    (128, 512, 40, None),  # Gated DeltaNet heads: several groups a K step
+    (64, 320, 21, {"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}),  # a partial last step
+    (128, 640, 37, {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1}),  # groups wider than the step
+])
+@pytest.mark.parametrize("before,rounded", [(False, False), (True, True)], ids=["gate-first", "norm-first"])
+def test_gemv_applies_a_gated_norm(impl, dtype, group, k, n, cfg, before, rounded):
+    """The output projection's prologue: gemv(y, W, norm=) against float64 F.linear of the
+    float64 gated norm of y, the gate a strided view inside a wider row (NaN around it), the
+    weight's rows strided, output poisoned; and against the two launches it replaces."""
+    y, nw = randn(1, k, dtype=dtype), randn(k, dtype=dtype)
+    wide = torch.full((1, k + 9), float("nan"), device=DEVICE, dtype=dtype)
+    wide[:, 4:4 + k] = randn(1, k, dtype=dtype)
+    z = wide[:, 4:4 + k]
+    w = _nan_padded_rows(n, k, 24, dtype)
+    norm = GatedRMSNorm(z, nw, group, 1e-5, before, rounded)
+    normed = gated_rms_norm_ref(y.double(), z.double(), nw.double(), group, 1e-5, before, rounded)
+    ref = torch.nn.functional.linear(normed, w.double())
+    if impl is gemv:
+        out = torch.full((1, n), float("nan"), device=DEVICE, dtype=dtype)
+        got = gemv(y, w, out=out, config=cfg, norm=norm)
+        assert got.data_ptr() == out.data_ptr()
+        check(got, gemv(gated_rms_norm(y, z, nw, group, 1e-5, before, rounded), w, config=cfg).float(), dtype)
+    else:
+        got = impl(y, w, norm=norm)
+    # the normed input is rounded to dtype once or twice before the product (Triton's interpreter
+    # truncates to bf16): twice the bound of a product of exact inputs
+    assert got.shape == ref.shape and got.dtype == dtype
+    assert rel_err(got, ref) < 2 * TOL[dtype]
+
+
+def test_gemv_refuses_a_norm_it_cannot_take():
+    from workers.ops import linear_op
+    y, w = randn(1, 192, dtype=torch.float32), randn(8, 192, dtype=torch.float32)
+    z, nw = randn(1, 192, dtype=torch.float32), randn(192, dtype=torch.float32)
+    with pytest.raises(ValueError, match="power-of-two groups"):
+        gemv(y, w, norm=GatedRMSNorm(z, nw, 96, 1e-5))
+    with pytest.raises(ValueError, match="power-of-two groups"):
+        gemv(y, w, norm=GatedRMSNorm(z, nw, 2 * NORM_MAX_GROUP, 1e-5))
+    with pytest.raises(ValueError, match="must divide K"):
+        gemv(y, w, norm=GatedRMSNorm(z, nw, 128, 1e-5))
+    with pytest.raises(ValueError, match="gate must be"):
+        gemv(y, w, norm=GatedRMSNorm(z[:, :64], nw, 64, 1e-5))
+    with pytest.raises(ValueError, match="norm's weight"):
+        gemv(y, w, norm=GatedRMSNorm(z, nw[:64], 64, 1e-5))
+    # the layers' entry point runs such a norm first instead
+    norm = GatedRMSNorm(z, nw, 96, 1e-5)
+    torch.testing.assert_close(linear_op(y, w, norm=norm), torch.nn.functional.linear(norm.apply(y, ref=True), w),
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_gemv_bad_arguments():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels.activation import relu2, relu2_ref, silu_and_mul, silu_and_mul_ref
-from kernels.fused_moe import (_grouped_gemm, fused_experts, fused_experts_ref, moe_align, moe_align_kernel,
+from kernels.fused_moe import (_grouped_gemm, fused_experts, fused_experts_ref, moe_align, moe_align_kernel, row_tiles,
                                moe_align_torch, moe_config, tokens_per_tile_band)
 from kernels.moe_routing import (topk_sigmoid, topk_sigmoid_grouped, topk_sigmoid_grouped_ref, topk_sigmoid_ref,
                                  topk_softmax, topk_softmax_ref)
@@ -109,20 +109,22 @@ def test_fused_experts_against_a_float64_loop(dtype, t, e, k, h, inter, cfg, bia
     assert rel_err(fused_experts_ref(x, w13, w2, weights, ids, silu_and_mul_ref, b13, b2), ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("t", [6, 1], ids=["aligned", "one-token"])
 @pytest.mark.parametrize("a_row_div,routed", [(2, False), (1, True)], ids=["gate_up", "down"])
-def test_grouped_gemm_writes_each_pair_row_once_and_nothing_else(a_row_div, routed):
+def test_grouped_gemm_writes_each_pair_row_once_and_nothing_else(a_row_div, routed, t):
     """One launch on its own: a NaN-poisoned output whose rows are views of wider rows: every pair's
     row written with its expert's product (scaled by its routing weight in the second launch),
-    the columns beside it untouched."""
-    t, e, k, kdim, n = 6, 5, 2, 48, 40
+    the columns beside it untouched; the rows as aligned, or for one token a tile a pair."""
+    e, k, kdim, n = 5, 2, 48, 40
     g = torch.Generator().manual_seed(7)
     a = torch.randn(t * k // a_row_div, kdim, generator=g).to(DEVICE)
     w = torch.randn(e, n, kdim, generator=g).to(DEVICE)
     weights, ids = routing(t, e, k, seed=3)
-    rows, block_expert = moe_align(ids, e, SMALL["BLOCK_M"])
+    tiles = row_tiles(ids, e, SMALL["BLOCK_M"])
+    assert tiles.pair_tiles == (t == 1)
     wide = torch.full((t * k, n + 3), float("nan"), device=DEVICE)
     out = wide[:, :n]
-    _grouped_gemm(a, w, None, rows, block_expert, out, weights.reshape(-1) if routed else None, a_row_div, SMALL)
+    _grouped_gemm(a, w, None, tiles, out, weights.reshape(-1) if routed else None, a_row_div, SMALL)
     flat = ids.flatten()
     for p in range(t * k):
         want = w[flat[p]].double() @ a[p // a_row_div].double()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.fused_moe import moe_align, tokens_per_tile_band
+from kernels.fused_moe import row_tiles, tokens_per_tile_band
 from kernels.fused_moe_mxfp4 import (FP4_VALUES, MXFP4Weight, SwigluOAI, _grouped_gemm_mxfp4, dequantize_mxfp4,
                                      fused_experts_mxfp4, fused_experts_mxfp4_ref, mxfp4_config)
 from tests.conftest import DEVICE
@@ -84,27 +84,28 @@ def test_fused_experts_mxfp4_against_a_float64_loop(dtype, scaled_dot, t, e, k, 
         assert rel_err(fused_experts_mxfp4_ref(x, w13, w2, weights.to(dtype), ids, ACT, b13, b2), ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("t", [6, 1], ids=["aligned", "one-token"])
 @pytest.mark.parametrize("fused_act", [False, True], ids=["down", "gate_up"])
 @pytest.mark.parametrize("scaled_dot", [True, False], ids=["dot_scaled", "decode"])
-def test_grouped_gemm_writes_each_pair_row_once_and_nothing_else(scaled_dot, fused_act):
+def test_grouped_gemm_writes_each_pair_row_once_and_nothing_else(scaled_dot, fused_act, t):
     """One launch into a NaN-poisoned output whose rows are views of wider rows: the down GEMM
     (routing weights, a bias) or the gate/up GEMM with the activation of its (gate, up) row pairs
     fused (a bias, each token's row read for its k pairs): each pair's row is its expert's result,
     the columns beside it untouched."""
-    t, e, k, kdim, n = 6, 5, 2, 96, 40
+    e, k, kdim, n = 5, 2, 96, 40
     g = torch.Generator().manual_seed(7)
     a = torch.randn(t if fused_act else t * k, kdim, generator=g).to(DEVICE, torch.bfloat16)
     w = mxfp4_weight(e, n, kdim, seed=2)
     b = torch.randn(e, n, generator=g).to(DEVICE, torch.bfloat16)
     weights, ids = routing(t, e, k, seed=3)
-    rows, block_expert = moe_align(ids, e, SMALL["BLOCK_M"])
+    tiles = row_tiles(ids, e, SMALL["BLOCK_M"])
     cols = n // 2 if fused_act else n
     wide = torch.full((t * k, cols + 3), float("nan"), device=DEVICE, dtype=torch.bfloat16)
     out = wide[:, :cols]
     if fused_act:
-        _grouped_gemm_mxfp4(a, w, b, rows, block_expert, out, None, k, SMALL, scaled_dot, ACT)
+        _grouped_gemm_mxfp4(a, w, b, tiles, out, None, k, SMALL, scaled_dot, ACT)
     else:
-        _grouped_gemm_mxfp4(a, w, b, rows, block_expert, out, weights.reshape(-1), 1, SMALL, scaled_dot)
+        _grouped_gemm_mxfp4(a, w, b, tiles, out, weights.reshape(-1), 1, SMALL, scaled_dot)
     wf = dequantize_mxfp4(w.blocks, w.scales, torch.float64)
     flat = ids.flatten()
     for p in range(t * k):

@@ -6,12 +6,12 @@ import torch
 from kernels.activation import (relu2, relu2_ref, gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref,
                                 swiglu_oai_and_mul, swiglu_oai_and_mul_ref)
 from kernels.kv_store import store_kv, store_kv_ref
-from kernels.gated_rmsnorm import gated_rms_norm, gated_rms_norm_ref
+from kernels.gated_rmsnorm import GatedRMSNorm
 from kernels.fp8 import dequantize_fp8, dequantize_fp8_ref
 from kernels.fused_moe import fused_experts, fused_experts_ref
 from kernels.fused_moe_mxfp4 import fused_experts_mxfp4, fused_experts_mxfp4_ref
 from kernels.gated_delta import gated_delta_update, gated_delta_update_ref, gated_delta_varlen, gated_delta_varlen_ref
-from kernels.gemv import FP8_SKINNY_MAX_ROWS, SKINNY_MAX_ROWS, gemv, skinny_gemm
+from kernels.gemv import FP8_SKINNY_MAX_ROWS, SKINNY_MAX_ROWS, fuses_gated_norm, gemv, skinny_gemm
 from kernels.layernorm import rms_norm, rms_norm_ref
 from kernels.mamba_conv import (causal_conv1d_update, causal_conv1d_update_ref, causal_conv1d_varlen,
                                 causal_conv1d_varlen_ref)
@@ -49,7 +49,6 @@ ssd_scan_varlen_op = _pick(ssd_scan_varlen, ssd_scan_varlen_ref)
 selective_state_update_op = _pick(selective_state_update, selective_state_update_ref)
 selective_scan_varlen_op = _pick(selective_scan_varlen, selective_scan_varlen_ref)  # Mamba-1
 selective_scan_update_op = _pick(selective_scan_update, selective_scan_update_ref)
-gated_rms_norm_op = _pick(gated_rms_norm, gated_rms_norm_ref)
 gated_delta_varlen_op = _pick(gated_delta_varlen, gated_delta_varlen_ref)
 gated_delta_update_op = _pick(gated_delta_update, gated_delta_update_ref)
 
@@ -74,13 +73,26 @@ ACTIVATIONS = {
 UNGATED_ACTIVATIONS = {"relu2": _pick(relu2, relu2_ref)}
 
 
+def _unfused_norm(x: torch.Tensor, norm: GatedRMSNorm | None) -> torch.Tensor:
+    """x through `norm` where the product does not take it as its prologue (`_gemv_takes`)."""
+    return x if norm is None else norm.apply(x, ref=not x.is_cuda)
+
+
+def _gemv_takes(x: torch.Tensor, norm: GatedRMSNorm | None) -> bool:
+    return x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and (norm is None or fuses_gated_norm(norm))
+
+
 def linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, norm: GatedRMSNorm | None = None) -> torch.Tensor:
     """x W^T (+ b), into `out` when given (a 2-D x and a contiguous [rows, N] `out`): on a GPU
     one row (a batch-1 decode step) through the Triton GEMV and 2 to 32 rows through the skinny
     GEMM, faster there than cuBLAS (kernels/gemv.py); anything else through cuBLAS. A 16-bit x
     with an fp32 weight (a router kept in fp32) gives fp32, the product of x.float(): at one row
-    the GEMV widens x itself (no cast launch)."""
+    the GEMV widens x itself (no cast launch). With `norm`, the product of norm.apply(x): the
+    one-row GEMV applies it in registers, saving a launch a layer at batch 1."""
+    if _gemv_takes(x, norm):
+        return gemv(x, weight, bias, out=out, norm=norm)
+    x = _unfused_norm(x, norm)
     if weight.dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16):
         if x.is_cuda and x.dim() == 2 and x.shape[0] == 1:
             return gemv(x, weight, bias, out=out)
@@ -95,11 +107,15 @@ def linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
 
 
 def fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-                  bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                  bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                  norm: GatedRMSNorm | None = None) -> torch.Tensor:
     """`linear_op` for an FP8 weight and its scales (kernels.fp8): up to 128 rows on a GPU the
     GEMV / skinny GEMM dequantize in registers, reading the weight at one byte an element; more
     rows (prefill, big decode batches) dequantize the weight to x's dtype for cuBLAS; on CPU the
     torch references."""
+    if _gemv_takes(x, norm):
+        return gemv(x, weight, bias, out=out, weight_scale=scale, block_size=block, norm=norm)
+    x = _unfused_norm(x, norm)
     if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= FP8_SKINNY_MAX_ROWS:
         kernel = gemv if x.shape[0] == 1 else skinny_gemm
         return kernel(x, weight, bias, out=out, weight_scale=scale, block_size=block)
@@ -124,6 +140,6 @@ __all__ = ["linear_op", "fp8_linear_op", "rms_norm_op", "rotary_op", "store_kv_o
            "qk_norm_rope_op",
            "act_and_mul", "ungated_act", "causal_conv1d_varlen_op", "causal_conv1d_update_op", "ssd_scan_varlen_op",
            "selective_state_update_op", "selective_scan_varlen_op", "selective_scan_update_op",
-           "gated_rms_norm_op", "gated_delta_varlen_op", "gated_delta_update_op",
+           "gated_delta_varlen_op", "gated_delta_update_op",
            "fused_experts_op", "topk_softmax_op", "topk_sigmoid_op", "topk_sigmoid_grouped_op", "swiglu_oai_op",
            "torch"]

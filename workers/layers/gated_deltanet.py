@@ -31,13 +31,14 @@ from torch import nn
 
 from distengine.model_config import DeltaNetShape, StateLayout
 from kernels.gated_delta import GDN_MAX_CHUNK
+from kernels.gated_rmsnorm import GatedRMSNorm
 from kernels.mamba_ssd import SSD_MAX_CHUNK
 from workers.layers.attention import AttentionMetadata
 from workers.layers.linear import RowParallelLinear
 from workers.layers.mamba import Segmented
 from workers.layers.pooled_state import PooledStateLayer
 from workers.ops import (causal_conv1d_update_op, causal_conv1d_varlen_op, gated_delta_update_op,
-                         gated_delta_varlen_op, gated_rms_norm_op, linear_op)
+                         gated_delta_varlen_op, linear_op)
 from workers.parallel import TPGroup
 
 # The host cuts one set of prefill chunks for every state layer (`workers/input_batch.py`, sized
@@ -118,13 +119,13 @@ class HeadGatedRMSNorm(nn.Module):
         param.data.copy_(full)
         self._per_channel = None
 
-    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """y, z `[T, heads * V]` (z may be a strided view)."""
+    def spec(self, z: torch.Tensor) -> GatedRMSNorm:
+        """The norm gated by z `[T, heads * V]` (a strided view allowed), for the output
+        projection to apply (or `.apply(y)`)."""
         if self._per_channel is None:
             self._per_channel = self.weight.repeat(self.heads)
         # transformers rounds the normalised value to y's dtype before the weight.
-        return gated_rms_norm_op(y, z, self._per_channel, self.v_dim, self.eps, norm_before_gate=True,
-                                 round_before_weight=True)
+        return GatedRMSNorm(z, self._per_channel, self.v_dim, self.eps, norm_before_gate=True, round_before_weight=True)
 
 
 class GatedDeltaNet(PooledStateLayer):
@@ -194,4 +195,4 @@ class GatedDeltaNet(PooledStateLayer):
         else:
             y = gated_delta_varlen_op(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_state, meta.query_start_loc,
                                       m.init_pages[j], m.chunk_start, m.chunk_seq, m.chunk_pages[j])
-        return self.out_proj(self.norm(y.view(T, hv * V), z))
+        return self.out_proj(y.view(T, hv * V), norm=self.norm.spec(z))

@@ -23,6 +23,7 @@ from torch import nn
 
 from distengine.quantization import BLOCK, CHANNEL, QuantizationConfig
 from kernels.fp8 import FP8_DTYPE, scale_shape
+from kernels.gated_rmsnorm import GatedRMSNorm
 from workers.ops import fp8_linear_op, linear_op
 from workers.parallel import TPGroup, kv_head_share, split_evenly
 
@@ -127,10 +128,11 @@ class _ParallelLinear(nn.Module):
         """Shapes of the unsharded checkpoint tensors."""
         return self._shapes(self.out_features)
 
-    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None,
+                norm: GatedRMSNorm | None = None) -> torch.Tensor:
         if self.fp8 is None:
-            return linear_op(x, self.weight, bias, out=out)
-        return fp8_linear_op(x, self.weight, self.fp8_scale, self.fp8.block, bias, out=out)
+            return linear_op(x, self.weight, bias, out=out, norm=norm)
+        return fp8_linear_op(x, self.weight, self.fp8_scale, self.fp8.block, bias, out=out, norm=norm)
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -359,11 +361,12 @@ class RowParallelLinear(_ParallelLinear):
 
     deferred = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: GatedRMSNorm | None = None) -> torch.Tensor:
+        """x W^T, or with `norm` (this rank's columns of a gated RMSNorm) norm.apply(x) W^T."""
         out = None
         if (self.reduce or self.deferred) and x.dim() == 2:
             out = self.tp.reduce_buffer(x.shape[0], self.out_features, x.dtype, x.device)
-        y = self._matmul(x, None, out=out)
+        y = self._matmul(x, None, out=out, norm=norm)
         if self.reduce:
             y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y

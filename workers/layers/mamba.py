@@ -21,11 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from distengine.model_config import MambaShape, mamba_groups_per_rank
+from kernels.gated_rmsnorm import GatedRMSNorm
 from workers.layers.attention import AttentionMetadata
 from workers.layers.linear import RowParallelLinear
 from workers.layers.pooled_state import PooledStateLayer
-from workers.ops import (causal_conv1d_update_op, causal_conv1d_varlen_op, gated_rms_norm_op, linear_op,
-                         selective_state_update_op, ssd_scan_varlen_op)
+from workers.ops import (causal_conv1d_update_op, causal_conv1d_varlen_op, linear_op, selective_state_update_op,
+                         ssd_scan_varlen_op)
 from workers.parallel import TPGroup
 
 
@@ -151,11 +152,11 @@ class MambaMixer2(PooledStateLayer):
                                    meta.query_start_loc, m.init_pages[j], m.chunk_start, m.chunk_seq,
                                    m.chunk_pages[j])
         y = y.view(T, self.I_local)
-        if self.norm is not None:
-            y = self.norm(y, z)
-        else:
-            y = (y.float() * F.silu(z.float())).to(y.dtype)
-        return self.out_proj(y)
+        if self.norm is None:
+            return self.out_proj((y.float() * F.silu(z.float())).to(y.dtype))
+        if self.norm.cross_rank:
+            return self.out_proj(self.norm(y, z))
+        return self.out_proj(y, norm=self.norm.spec(z))
 
 
 class GatedNorm(nn.Module):
@@ -180,9 +181,14 @@ class GatedNorm(nn.Module):
             raise ValueError(f"{self.name}: checkpoint tensor has shape {tuple(full.shape)}, expected ({self.full},)")
         param.data.copy_(full.narrow(0, self.start, self.size))
 
+    def spec(self, z: torch.Tensor) -> GatedRMSNorm:
+        """This norm of a rank's own groups, gated by z, for the output projection to apply."""
+        assert not self.cross_rank
+        return GatedRMSNorm(z, self.weight, self.group_size, self.eps, self.norm_before_gate)
+
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         if not self.cross_rank:
-            return gated_rms_norm_op(y, z, self.weight, self.group_size, self.eps, self.norm_before_gate)
+            return self.spec(z).apply(y, ref=not y.is_cuda)
         # The group this rank's channels belong to spans several ranks: sum the squares of every
         # rank's share (a [T, n_groups] all-reduce, each rank filling its group's column).
         acc = torch.promote_types(y.dtype, torch.float32)
