@@ -40,6 +40,28 @@ SCALE_NONE, SCALE_ROW, SCALE_BLOCK = tl.constexpr(0), tl.constexpr(1), tl.conste
 
 
 @triton.jit
+def _gemv_x(x_ptr, z_ptr, nw_ptr, s_row, k, K, BK_Q, eps, SCALE: tl.constexpr, NORM: tl.constexpr,
+            GROUP: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr,
+            BLOCK_K: tl.constexpr):
+    """x[k : k + BLOCK_K] in fp32, through the gated norm (NORM) and times its block scales."""
+    kk = k + tl.arange(0, BLOCK_K)
+    k_ok = kk < K
+    if NORM:  # the gated RMSNorm of x: a K step holds whole groups (GROUP divides BLOCK_K)
+        gk = k + tl.arange(0, BLOCK_K // GROUP)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        g_ok = gk < K
+        x = gated_norm_values(tl.load(x_ptr + gk, mask=g_ok, other=0.0).to(tl.float32),
+                              tl.load(z_ptr + gk, mask=g_ok, other=0.0).to(tl.float32),
+                              tl.load(nw_ptr + gk, mask=g_ok, other=0.0).to(tl.float32), GROUP, eps,
+                              NORM_BEFORE_GATE, ROUND_BEFORE_WEIGHT, x_ptr.dtype.element_ty)
+        x = tl.reshape(x, [BLOCK_K]).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+    if SCALE == SCALE_BLOCK:
+        x *= tl.load(s_row + kk // BK_Q, mask=k_ok, other=0.0)
+    return x
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, s_ptr, z_ptr, nw_ptr, eps, N, K, stride_wn, stride_sn, BN_Q, BK_Q,
                  HAS_BIAS: tl.constexpr, SCALE: tl.constexpr, NORM: tl.constexpr, GROUP: tl.constexpr,
                  NORM_BEFORE_GATE: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -49,33 +71,22 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, s_ptr, z_ptr, nw_ptr, eps, N, K, st
     rk = tl.arange(0, BLOCK_K)
     n_ok = rn < N
     w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
-    # The weight is written by no kernel of a step, so its first tile is read before the wait:
-    # with PDL the fetch overlaps the kernel before (kernels/pdl.py).
-    w_next = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & (rk < K)[None, :], other=0.0)
+    # The weight is written by no kernel of a step, so the first K step's tile is read before the
+    # wait: with PDL the fetch overlaps the kernel before (kernels/pdl.py). That step is peeled
+    # off the loop; carrying the next tile through the loop instead held twice the registers and
+    # slowed the 1,024-wide steps (an FP8 down_proj of Gemma-3-12B: 40.6 against 22.4 us).
+    w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & (rk < K)[None, :], other=0.0)
     pdl_wait(PDL)
     # A program's rows lie in one scale block (BN_Q is a multiple of BLOCK_N): its scales vary
     # along K only, and scale x rather than the wider weight tile.
     s_row = s_ptr + (pid * BLOCK_N // BN_Q) * stride_sn
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k in range(0, K, BLOCK_K):
+    acc = w.to(tl.float32) * _gemv_x(x_ptr, z_ptr, nw_ptr, s_row, 0, K, BK_Q, eps, SCALE, NORM, GROUP,
+                                     NORM_BEFORE_GATE, ROUND_BEFORE_WEIGHT, BLOCK_K)[None, :]
+    for k in range(BLOCK_K, K, BLOCK_K):
         kk = k + rk
-        k_ok = kk < K
-        w = w_next
-        kn = kk + BLOCK_K
-        w_next = tl.load(w_rows + kn[None, :], mask=n_ok[:, None] & (kn < K)[None, :], other=0.0)
-        if NORM:  # the gated RMSNorm of x: a K step holds whole groups (GROUP divides BLOCK_K)
-            gk = k + tl.arange(0, BLOCK_K // GROUP)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-            g_ok = gk < K
-            x = gated_norm_values(tl.load(x_ptr + gk, mask=g_ok, other=0.0).to(tl.float32),
-                                  tl.load(z_ptr + gk, mask=g_ok, other=0.0).to(tl.float32),
-                                  tl.load(nw_ptr + gk, mask=g_ok, other=0.0).to(tl.float32), GROUP, eps,
-                                  NORM_BEFORE_GATE, ROUND_BEFORE_WEIGHT, x_ptr.dtype.element_ty)
-            x = tl.reshape(x, [BLOCK_K]).to(tl.float32)
-        else:
-            x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-        if SCALE == SCALE_BLOCK:
-            x *= tl.load(s_row + kk // BK_Q, mask=k_ok, other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
+        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & (kk < K)[None, :], other=0.0)
+        acc += w.to(tl.float32) * _gemv_x(x_ptr, z_ptr, nw_ptr, s_row, k, K, BK_Q, eps, SCALE, NORM, GROUP,
+                                          NORM_BEFORE_GATE, ROUND_BEFORE_WEIGHT, BLOCK_K)[None, :]
     y = tl.sum(acc, 1)
     if SCALE == SCALE_ROW:
         y *= tl.load(s_ptr + rn, mask=n_ok, other=0.0)
@@ -84,11 +95,14 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, s_ptr, z_ptr, nw_ptr, eps, N, K, st
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
-def gemv_config(n: int, k: int) -> dict:
+def gemv_config(n: int, k: int, elem_bytes: int = 2) -> dict:
     """Tiles from the H200 sweep above: few output columns over a long K (o_proj, down_proj: N
     3840) want wide programs, 16 columns x 1024 keys on 8 warps; many columns (qkv, gate_up)
-    narrow ones, 4-8 columns x 256 on 4 warps, so that ~2,000-4,000 programs spread the read."""
-    if n <= 4096:
+    narrow ones, 4-8 columns x 256 on 4 warps, so that ~2,000-4,000 programs spread the read.
+    A 1-byte (FP8) weight keeps the wide programs up to 16,384 columns: Gemma-3-12B's FP8 qkv
+    (8,192 x 3,840, block scales) took 12.95 us with them against 17.52 with the narrow ones
+    (`kernels.bench.fp8_gemv --rows 1`, one H200)."""
+    if n <= 4096 or (elem_bytes == 1 and n <= 16384):
         return {"BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 8, "num_stages": 1}
     if n <= 16384:
         return {"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
@@ -138,24 +152,31 @@ def _scale_args(weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[i
     return dict(s_ptr=scale, stride_sn=scale.stride(0), BN_Q=block[0], BK_Q=block[1], SCALE=SCALE_BLOCK)
 
 
-# The widest norm group the GEMV takes: a batch-1 decode step of Qwen3.6-35B-A3B (its Gated DeltaNet
-# heads, groups of 128) took 2.79 ms with the norm in the output projection against 2.84 without;
-# Nemotron-3-Nano's groups of 512 lost (2.49 against 2.46 ms; one H200, the same call).
+# Which gated norms the GEMV takes. Batch-1 decode steps on one H200: Qwen3.6-35B-A3B (its Gated
+# DeltaNet heads, groups of 128; out_proj 2,048 columns) took 2.79 ms with the norm in the output
+# projection against 2.84 without; Nemotron-3-Nano's groups of 512 lost (2.49 against 2.46 ms,
+# the same call). Qwen3.6-27B (5,120 columns, the 4-column programs) took 14.72 ms with it and
+# the early first tile against 14.42 for the commit before (the same call). There ~1,300
+# programs each redo the norm, reading ~36 KB of y, z and the norm weight beside their 48 KB of
+# weight, so wider outputs keep the norm's own launch: that rule came after the last
+# measurement and is not timed.
 NORM_MAX_GROUP = 128
+NORM_MAX_COLUMNS = 4096
 
 
-def fuses_gated_norm(norm: GatedRMSNorm) -> bool:
-    """Whether `gemv` can apply `norm` to its input itself: its groups must tile the K steps
-    (a power of two, at most NORM_MAX_GROUP)."""
+def fuses_gated_norm(norm: GatedRMSNorm, n: int) -> bool:
+    """Whether `gemv` applies `norm` to its input itself, for an output of n columns: its groups
+    must tile the K steps (a power of two, at most NORM_MAX_GROUP), and each program redoes the
+    norm, so only the wide programs of outputs up to NORM_MAX_COLUMNS take it."""
     g = norm.group_size
-    return 0 < g <= NORM_MAX_GROUP and g & (g - 1) == 0
+    return 0 < g <= NORM_MAX_GROUP and g & (g - 1) == 0 and n <= NORM_MAX_COLUMNS
 
 
-def _check_norm(x: torch.Tensor, norm: GatedRMSNorm) -> None:
+def _check_norm(x: torch.Tensor, norm: GatedRMSNorm, n: int) -> None:
     k = x.shape[1]
-    if not fuses_gated_norm(norm):
-        raise ValueError(f"gemv applies a gated norm of power-of-two groups up to {NORM_MAX_GROUP}, "
-                         f"got groups of {norm.group_size}")
+    if not fuses_gated_norm(norm, n):
+        raise ValueError(f"gemv applies a gated norm of power-of-two groups up to {NORM_MAX_GROUP} to outputs of "
+                         f"up to {NORM_MAX_COLUMNS} columns, got groups of {norm.group_size} and {n} columns")
     if k % norm.group_size:
         raise ValueError(f"the norm's groups of {norm.group_size} must divide K={k}")
     if tuple(norm.z.shape) != (1, k) or norm.z.stride(1) != 1 or norm.z.dtype != x.dtype:
@@ -177,7 +198,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     numbers as the norm kernel's output, without its launch and its round trip to memory."""
     _check(x, weight, bias, scale=weight_scale, block=block_size)
     if norm is not None:
-        _check_norm(x, norm)
+        _check_norm(x, norm, weight.shape[0])
     n, k = weight.shape
     dtype = _out_dtype(x, weight, weight_scale)
     if out is None:
@@ -192,7 +213,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x = x.contiguous()
     if weight.stride(1) != 1:
         weight = weight.contiguous()
-    cfg = dict(config or gemv_config(n, k))
+    cfg = dict(config or gemv_config(n, k, weight.element_size()))
     group = 1
     if norm is not None:
         group = norm.group_size
@@ -203,8 +224,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         eps=0.0 if norm is None else float(norm.eps), N=n, K=k, stride_wn=weight.stride(0), HAS_BIAS=bias is not None,
         NORM=norm is not None, GROUP=group, NORM_BEFORE_GATE=norm is not None and bool(norm.norm_before_gate),
         ROUND_BEFORE_WEIGHT=norm is not None and bool(norm.round_before_weight), BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **pdl_args(x))
+        BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_args(x))
     return out
 
 
@@ -215,7 +235,7 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     16-bit x with an fp32 weight); with `norm`, of norm.apply(x, ref=True)."""
     _check(x, weight, bias, scale=weight_scale, block=block_size)
     if norm is not None:
-        _check_norm(x, norm)
+        _check_norm(x, norm, weight.shape[0])
         x = norm.apply(x, ref=True)
     return _linear_ref(x, weight, bias, weight_scale, block_size)
 
