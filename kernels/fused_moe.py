@@ -276,7 +276,8 @@ def _grouped_gemm(a, w, b, tiles: RowTiles, out, routed, a_row_div: int, cfg: di
         a, w, b if b is not None else w, out, routed if routed is not None else out, tiles.rows, tiles.block_expert,
         n, k, out.shape[0], a.stride(0), w.stride(0), w.stride(1), b.stride(0) if b is not None else 0,
         out.stride(0), A_ROW_DIV=a_row_div, HAS_BIAS=b is not None, MUL_ROUTED=routed is not None,
-        ACT=code, GATED=gated, PAIR_TILES=tiles.pair_tiles, DOT_F32=_interpreter_bf16(a), PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        ACT=code, GATED=gated, PAIR_TILES=tiles.pair_tiles, DOT_F32=_interpreter_bf16(a),
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **pdl_args(a))
 

@@ -106,8 +106,8 @@ def _mxfp4_to_float(w, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 def _moe_mxfp4_gemm_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, rows_ptr, bexp_ptr, N, K, num_rows,
                            stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_cm, alpha, limit,
                            A_ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_ROUTED: tl.constexpr,
-                           SWIGLU: tl.constexpr, SCALED_DOT: tl.constexpr, PAIR_TILES: tl.constexpr, DOT_F32: tl.constexpr,
-                           PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           SWIGLU: tl.constexpr, SCALED_DOT: tl.constexpr, PAIR_TILES: tl.constexpr,
+                           DOT_F32: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of c[rows] = a[rows // A_ROW_DIV] @ w[e]^T (+ b[e]) (* rw[rows])
     for the tile's expert e, w[e] MXFP4 (K a multiple of 32). With SWIGLU the tile's columns are

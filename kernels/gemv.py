@@ -31,8 +31,8 @@ from kernels.gated_rmsnorm import GatedRMSNorm, gated_norm_values
 from kernels.paged_attention import _interpreter_bf16
 from kernels.pdl import pdl_args, pdl_wait
 
-__all__ = ["gemv", "gemv_ref", "gemv_config", "fuses_gated_norm", "NORM_MAX_GROUP", "skinny_gemm", "skinny_gemm_ref", "skinny_config", "SKINNY_MAX_ROWS",
-           "FP8_SKINNY_MAX_ROWS"]
+__all__ = ["gemv", "gemv_ref", "gemv_config", "fuses_gated_norm", "NORM_MAX_GROUP", "NORM_MAX_COLUMNS", "skinny_gemm",
+           "skinny_gemm_ref", "skinny_config", "SKINNY_MAX_ROWS", "FP8_SKINNY_MAX_ROWS"]
 
 
 # FP8 weights' scales (kernels.fp8): none, one per output row, one per (BN_Q x BK_Q) block.
@@ -219,7 +219,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         group = norm.group_size
         cfg["BLOCK_K"] = max(cfg["BLOCK_K"], group)
     _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-        x, weight, bias if bias is not None else x, out, **_scale_args(weight, weight_scale, block_size, cfg["BLOCK_N"]),
+        x, weight, bias if bias is not None else x, out,
+        **_scale_args(weight, weight_scale, block_size, cfg["BLOCK_N"]),
         z_ptr=x if norm is None else norm.z, nw_ptr=x if norm is None else norm.weight,
         eps=0.0 if norm is None else float(norm.eps), N=n, K=k, stride_wn=weight.stride(0), HAS_BIAS=bias is not None,
         NORM=norm is not None, GROUP=group, NORM_BEFORE_GATE=norm is not None and bool(norm.norm_before_gate),

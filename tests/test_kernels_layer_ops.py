@@ -12,7 +12,8 @@ import torch
 from kernels.activation import (relu2, relu2_ref, gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref,
                                 swiglu_oai_and_mul, swiglu_oai_and_mul_ref)
 from kernels.gated_rmsnorm import GatedRMSNorm, gated_rms_norm, gated_rms_norm_ref
-from kernels.gemv import NORM_MAX_COLUMNS, NORM_MAX_GROUP, SKINNY_MAX_ROWS, gemv, gemv_ref, skinny_config, skinny_gemm, skinny_gemm_ref
+from kernels.gemv import (NORM_MAX_COLUMNS, NORM_MAX_GROUP, SKINNY_MAX_ROWS, gemv, gemv_ref, skinny_config, skinny_gemm,
+                          skinny_gemm_ref)
 from kernels.kv_store import store_kv, store_kv_ref
 from kernels.layernorm import rms_norm, rms_norm_ref
 from kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
