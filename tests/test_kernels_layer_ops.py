@@ -559,8 +559,9 @@ def test_skinny_gemm_bad_arguments():
 
 def test_every_pdl_kernel_waits_first_and_is_launched_with_pdl_args():
     """The rule of kernels/pdl.py, checked in the source: a kernel that takes `PDL` calls
-    `pdl_wait(PDL)` before anything else (a load before it would race with the kernel before),
-    and every launch of it passes `**pdl_args(...)`."""
+    `pdl_wait(PDL)` before any other load or store (one before it would race with the kernel
+    before), the weights excepted: before the wait it may load from `w_ptr` / `w_rows` only, and
+    store nothing; every launch of it passes `**pdl_args(...)`."""
     import ast
     import pathlib
     folder = pathlib.Path(__file__).resolve().parent.parent / "kernels"
@@ -570,11 +571,17 @@ def test_every_pdl_kernel_waits_first_and_is_launched_with_pdl_args():
         names = set()
         for fn in ast.walk(tree):
             if isinstance(fn, ast.FunctionDef) and "PDL" in [a.arg for a in fn.args.args] and fn.name != "pdl_wait":
-                body = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) \
-                    else fn.body
-                first = body[0]
-                assert isinstance(first, ast.Expr) and isinstance(first.value, ast.Call) and \
-                    ast.unparse(first.value) == "pdl_wait(PDL)", f"{path.name}:{fn.name} does not start with pdl_wait"
+                waits = [i for i, st in enumerate(fn.body) if isinstance(st, ast.Expr) and
+                         ast.unparse(st.value) == "pdl_wait(PDL)"]
+                assert waits, f"{path.name}:{fn.name} never calls pdl_wait(PDL)"
+                for st in fn.body[:waits[0]]:
+                    for call in ast.walk(st):
+                        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)):
+                            continue
+                        what = f"{path.name}:{fn.name}: {ast.unparse(call)} before pdl_wait"
+                        assert call.func.attr not in ("store", "atomic_add", "atomic_max", "atomic_cas"), what
+                        if call.func.attr == "load":
+                            assert ast.unparse(call.args[0]).startswith(("w_ptr", "w_rows")), what
                 names.add(fn.name)
         for call in ast.walk(tree):
             if isinstance(call, ast.Call) and isinstance(call.func, ast.Subscript) and \
