@@ -31,7 +31,7 @@ from kernels.gated_rmsnorm import GatedRMSNorm, gated_norm_values
 from kernels.paged_attention import _interpreter_bf16
 from kernels.pdl import pdl_args, pdl_wait
 
-__all__ = ["gemv", "gemv_ref", "gemv_config", "fuses_gated_norm", "NORM_MAX_GROUP", "NORM_MAX_COLUMNS", "skinny_gemm",
+__all__ = ["gemv", "gemv_ref", "gemv_config", "fuses_gated_norm", "NORM_MAX_GROUP", "skinny_gemm",
            "skinny_gemm_ref", "skinny_config", "SKINNY_MAX_ROWS", "FP8_SKINNY_MAX_ROWS"]
 
 
@@ -155,28 +155,25 @@ def _scale_args(weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[i
 # Which gated norms the GEMV takes. Batch-1 decode steps on one H200: Qwen3.6-35B-A3B (its Gated
 # DeltaNet heads, groups of 128; out_proj 2,048 columns) took 2.79 ms with the norm in the output
 # projection against 2.84 without; Nemotron-3-Nano's groups of 512 lost (2.49 against 2.46 ms,
-# the same call). Qwen3.6-27B (5,120 columns, the 4-column programs) took 14.72 ms with it and
-# the early first tile against 14.42 for the commit before (the same call). There ~1,300
-# programs each redo the norm, reading ~36 KB of y, z and the norm weight beside their 48 KB of
-# weight, so wider outputs keep the norm's own launch: that rule came after the last
-# measurement and is not timed.
+# the same call). Qwen3.6-27B (5,120 columns, 4-column programs) took 14.72 ms with it and the
+# early first tile against 14.42 for the commit before (the same call): there ~1,300 programs
+# each redo the norm, reading ~36 KB of y, z and the norm weight beside their 48 KB of weight;
+# keeping the norm's own launch for such outputs is untimed.
 NORM_MAX_GROUP = 128
-NORM_MAX_COLUMNS = 4096
 
 
-def fuses_gated_norm(norm: GatedRMSNorm, n: int) -> bool:
-    """Whether `gemv` applies `norm` to its input itself, for an output of n columns: its groups
-    must tile the K steps (a power of two, at most NORM_MAX_GROUP), and each program redoes the
-    norm, so only the wide programs of outputs up to NORM_MAX_COLUMNS take it."""
+def fuses_gated_norm(norm: GatedRMSNorm) -> bool:
+    """Whether `gemv` can apply `norm` to its input itself: its groups must tile the K steps
+    (a power of two, at most NORM_MAX_GROUP)."""
     g = norm.group_size
-    return 0 < g <= NORM_MAX_GROUP and g & (g - 1) == 0 and n <= NORM_MAX_COLUMNS
+    return 0 < g <= NORM_MAX_GROUP and g & (g - 1) == 0
 
 
-def _check_norm(x: torch.Tensor, norm: GatedRMSNorm, n: int) -> None:
+def _check_norm(x: torch.Tensor, norm: GatedRMSNorm) -> None:
     k = x.shape[1]
-    if not fuses_gated_norm(norm, n):
-        raise ValueError(f"gemv applies a gated norm of power-of-two groups up to {NORM_MAX_GROUP} to outputs of "
-                         f"up to {NORM_MAX_COLUMNS} columns, got groups of {norm.group_size} and {n} columns")
+    if not fuses_gated_norm(norm):
+        raise ValueError(f"gemv applies a gated norm of power-of-two groups up to {NORM_MAX_GROUP}, "
+                         f"got groups of {norm.group_size}")
     if k % norm.group_size:
         raise ValueError(f"the norm's groups of {norm.group_size} must divide K={k}")
     if tuple(norm.z.shape) != (1, k) or norm.z.stride(1) != 1 or norm.z.dtype != x.dtype:
@@ -198,7 +195,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     numbers as the norm kernel's output, without its launch and its round trip to memory."""
     _check(x, weight, bias, scale=weight_scale, block=block_size)
     if norm is not None:
-        _check_norm(x, norm, weight.shape[0])
+        _check_norm(x, norm)
     n, k = weight.shape
     dtype = _out_dtype(x, weight, weight_scale)
     if out is None:
@@ -236,7 +233,7 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     16-bit x with an fp32 weight); with `norm`, of norm.apply(x, ref=True)."""
     _check(x, weight, bias, scale=weight_scale, block=block_size)
     if norm is not None:
-        _check_norm(x, norm, weight.shape[0])
+        _check_norm(x, norm)
         x = norm.apply(x, ref=True)
     return _linear_ref(x, weight, bias, weight_scale, block_size)
 

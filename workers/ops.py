@@ -78,8 +78,8 @@ def _unfused_norm(x: torch.Tensor, norm: GatedRMSNorm | None) -> torch.Tensor:
     return x if norm is None else norm.apply(x, ref=not x.is_cuda)
 
 
-def _gemv_takes(x: torch.Tensor, weight: torch.Tensor, norm: GatedRMSNorm | None) -> bool:
-    return x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and (norm is None or fuses_gated_norm(norm, weight.shape[0]))
+def _gemv_takes(x: torch.Tensor, norm: GatedRMSNorm | None) -> bool:
+    return x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and (norm is None or fuses_gated_norm(norm))
 
 
 def linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -90,7 +90,7 @@ def linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     with an fp32 weight (a router kept in fp32) gives fp32, the product of x.float(): at one row
     the GEMV widens x itself (no cast launch). With `norm`, the product of norm.apply(x): the
     one-row GEMV applies it in registers, saving a launch a layer at batch 1."""
-    if _gemv_takes(x, weight, norm):
+    if _gemv_takes(x, norm):
         return gemv(x, weight, bias, out=out, norm=norm)
     x = _unfused_norm(x, norm)
     if weight.dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16):
@@ -113,7 +113,7 @@ def fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bl
     GEMV / skinny GEMM dequantize in registers, reading the weight at one byte an element; more
     rows (prefill, big decode batches) dequantize the weight to x's dtype for cuBLAS; on CPU the
     torch references."""
-    if _gemv_takes(x, weight, norm):
+    if _gemv_takes(x, norm):
         return gemv(x, weight, bias, out=out, weight_scale=scale, block_size=block, norm=norm)
     x = _unfused_norm(x, norm)
     if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= FP8_SKINNY_MAX_ROWS:
