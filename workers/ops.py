@@ -73,9 +73,9 @@ ACTIVATIONS = {
 UNGATED_ACTIVATIONS = {"relu2": _pick(relu2, relu2_ref)}
 
 
-def _unfused_norm(x: torch.Tensor, norm: GatedRMSNorm | None) -> torch.Tensor:
-    """x through `norm` where the product does not take it as its prologue (`_gemv_takes`)."""
-    return x if norm is None else norm.apply(x, ref=not x.is_cuda)
+def gated_norm_op(x: torch.Tensor, norm: GatedRMSNorm) -> torch.Tensor:
+    """x through `norm` in a launch of its own (the torch reference on CPU)."""
+    return norm.apply(x, ref=not x.is_cuda)
 
 
 def _gemv_takes(x: torch.Tensor, norm: GatedRMSNorm | None) -> bool:
@@ -92,7 +92,7 @@ def linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     one-row GEMV applies it in registers, saving a launch a layer at batch 1."""
     if _gemv_takes(x, norm):
         return gemv(x, weight, bias, out=out, norm=norm)
-    x = _unfused_norm(x, norm)
+    x = x if norm is None else gated_norm_op(x, norm)
     if weight.dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16):
         if x.is_cuda and x.dim() == 2 and x.shape[0] == 1:
             return gemv(x, weight, bias, out=out)
@@ -115,7 +115,7 @@ def fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bl
     torch references."""
     if _gemv_takes(x, norm):
         return gemv(x, weight, bias, out=out, weight_scale=scale, block_size=block, norm=norm)
-    x = _unfused_norm(x, norm)
+    x = x if norm is None else gated_norm_op(x, norm)
     if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= FP8_SKINNY_MAX_ROWS:
         kernel = gemv if x.shape[0] == 1 else skinny_gemm
         return kernel(x, weight, bias, out=out, weight_scale=scale, block_size=block)
@@ -140,6 +140,6 @@ __all__ = ["linear_op", "fp8_linear_op", "rms_norm_op", "rotary_op", "store_kv_o
            "qk_norm_rope_op",
            "act_and_mul", "ungated_act", "causal_conv1d_varlen_op", "causal_conv1d_update_op", "ssd_scan_varlen_op",
            "selective_state_update_op", "selective_scan_varlen_op", "selective_scan_update_op",
-           "gated_delta_varlen_op", "gated_delta_update_op",
+           "gated_norm_op", "gated_delta_varlen_op", "gated_delta_update_op",
            "fused_experts_op", "topk_softmax_op", "topk_sigmoid_op", "topk_sigmoid_grouped_op", "swiglu_oai_op",
            "torch"]

@@ -25,8 +25,8 @@ from kernels.gated_rmsnorm import GatedRMSNorm
 from workers.layers.attention import AttentionMetadata
 from workers.layers.linear import RowParallelLinear
 from workers.layers.pooled_state import PooledStateLayer
-from workers.ops import (causal_conv1d_update_op, causal_conv1d_varlen_op, linear_op, selective_state_update_op,
-                         ssd_scan_varlen_op)
+from workers.ops import (causal_conv1d_update_op, causal_conv1d_varlen_op, gated_norm_op, linear_op,
+                         selective_state_update_op, ssd_scan_varlen_op)
 from workers.parallel import TPGroup
 
 
@@ -188,7 +188,7 @@ class GatedNorm(nn.Module):
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         if not self.cross_rank:
-            return self.spec(z).apply(y, ref=not y.is_cuda)
+            return gated_norm_op(y, self.spec(z))
         # The group this rank's channels belong to spans several ranks: sum the squares of every
         # rank's share (a [T, n_groups] all-reduce, each rank filling its group's column).
         acc = torch.promote_types(y.dtype, torch.float32)
