@@ -78,8 +78,16 @@ def gated_norm_op(x: torch.Tensor, norm: GatedRMSNorm) -> torch.Tensor:
     return norm.apply(x, ref=not x.is_cuda)
 
 
-def _gemv_takes(x: torch.Tensor, norm: GatedRMSNorm | None) -> bool:
-    return x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and (norm is None or fuses_gated_norm(norm))
+def _one_row(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dim() == 2 and x.shape[0] == 1
+
+
+def _norm_first(x: torch.Tensor, norm: GatedRMSNorm | None) -> tuple[torch.Tensor, GatedRMSNorm | None]:
+    """(x, norm) for the product: the norm stays for the one-row GEMV to apply in registers where
+    it can (`fuses_gated_norm`), else runs first in its own launch."""
+    if norm is None or (_one_row(x) and fuses_gated_norm(norm)):
+        return x, norm
+    return gated_norm_op(x, norm), None
 
 
 def linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -90,15 +98,13 @@ def linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     with an fp32 weight (a router kept in fp32) gives fp32, the product of x.float(): at one row
     the GEMV widens x itself (no cast launch). With `norm`, the product of norm.apply(x): the
     one-row GEMV applies it in registers, saving a launch a layer at batch 1."""
-    if _gemv_takes(x, norm):
+    x, norm = _norm_first(x, norm)
+    if _one_row(x):
         return gemv(x, weight, bias, out=out, norm=norm)
-    x = x if norm is None else gated_norm_op(x, norm)
     if weight.dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16):
-        if x.is_cuda and x.dim() == 2 and x.shape[0] == 1:
-            return gemv(x, weight, bias, out=out)
         x = x.float()
     if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_ROWS:
-        return gemv(x, weight, bias, out=out) if x.shape[0] == 1 else skinny_gemm(x, weight, bias, out=out)
+        return skinny_gemm(x, weight, bias, out=out)
     if out is None:
         return torch.nn.functional.linear(x, weight, bias)
     if bias is None:
@@ -113,12 +119,11 @@ def fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bl
     GEMV / skinny GEMM dequantize in registers, reading the weight at one byte an element; more
     rows (prefill, big decode batches) dequantize the weight to x's dtype for cuBLAS; on CPU the
     torch references."""
-    if _gemv_takes(x, norm):
+    x, norm = _norm_first(x, norm)
+    if _one_row(x):
         return gemv(x, weight, bias, out=out, weight_scale=scale, block_size=block, norm=norm)
-    x = x if norm is None else gated_norm_op(x, norm)
     if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= FP8_SKINNY_MAX_ROWS:
-        kernel = gemv if x.shape[0] == 1 else skinny_gemm
-        return kernel(x, weight, bias, out=out, weight_scale=scale, block_size=block)
+        return skinny_gemm(x, weight, bias, out=out, weight_scale=scale, block_size=block)
     w = (dequantize_fp8 if x.is_cuda else dequantize_fp8_ref)(weight, scale, block, x.dtype)
     return linear_op(x, w, bias, out=out)
 
