@@ -31,8 +31,8 @@ from kernels.gated_rmsnorm import GatedRMSNorm, gated_norm_values
 from kernels.paged_attention import _interpreter_bf16
 from kernels.pdl import pdl_args, pdl_wait
 
-__all__ = ["gemv", "gemv_ref", "gemv_config", "fuses_gated_norm", "NORM_MAX_GROUP", "skinny_gemm",
-           "skinny_gemm_ref", "skinny_config", "SKINNY_MAX_ROWS", "FP8_SKINNY_MAX_ROWS"]
+__all__ = ["gemv", "gemv_ref", "gemv_config", "fuses_gated_norm", "NORM_MAX_COLUMNS", "NORM_MAX_GROUP",
+           "skinny_gemm", "skinny_gemm_ref", "skinny_config", "SKINNY_MAX_ROWS", "FP8_SKINNY_MAX_ROWS"]
 
 
 # FP8 weights' scales (kernels.fp8): none, one per output row, one per (BN_Q x BK_Q) block.
@@ -155,23 +155,29 @@ def _scale_args(weight: torch.Tensor, scale: torch.Tensor | None, block: tuple[i
 # Which gated norms the GEMV takes. Batch-1 decode steps on one H200: Qwen3.6-35B-A3B (its Gated
 # DeltaNet heads, groups of 128; out_proj 2,048 columns) took 2.79 ms with the norm in the output
 # projection against 2.84 without; Nemotron-3-Nano's groups of 512 lost (2.49 against 2.46 ms,
-# the same call). Qwen3.6-27B (5,120 columns, 4-column programs) took 14.72 ms with it and the
-# early first tile against 14.42 for the commit before (the same call): there ~1,300 programs
-# each redo the norm, reading ~36 KB of y, z and the norm weight beside their 48 KB of weight;
-# keeping the norm's own launch for such outputs is untimed.
+# the same call). Qwen3.6-27B's out_proj (5,120 columns) runs ~1,300 four-column programs, each
+# redoing the norm (~36 KB of y, z and the norm weight beside its 48 KB of weight): its step took
+# 14.21 ms with the norm in a launch of its own against 14.54 with it in the GEMV (two runs each,
+# one call), hence the column bound.
 NORM_MAX_GROUP = 128
+NORM_MAX_COLUMNS = 4096
 
 
-def fuses_gated_norm(norm: GatedRMSNorm) -> bool:
-    """Whether `gemv` can apply `norm` to its input itself: its groups must tile the K steps
-    (a power of two, at most NORM_MAX_GROUP)."""
+def _norm_groups_fit(norm: GatedRMSNorm) -> bool:
+    """Whether the norm's groups tile the GEMV's K steps: a power of two, at most NORM_MAX_GROUP."""
     g = norm.group_size
     return 0 < g <= NORM_MAX_GROUP and g & (g - 1) == 0
 
 
+def fuses_gated_norm(norm: GatedRMSNorm, n: int) -> bool:
+    """Whether a one-row product of `n` output columns should apply `norm` inside `gemv` (else the
+    norm runs first in its own launch): groups `gemv` can take, and at most NORM_MAX_COLUMNS."""
+    return _norm_groups_fit(norm) and n <= NORM_MAX_COLUMNS
+
+
 def _check_norm(x: torch.Tensor, norm: GatedRMSNorm) -> None:
     k = x.shape[1]
-    if not fuses_gated_norm(norm):
+    if not _norm_groups_fit(norm):
         raise ValueError(f"gemv applies a gated norm of power-of-two groups up to {NORM_MAX_GROUP}, "
                          f"got groups of {norm.group_size}")
     if k % norm.group_size:

@@ -12,8 +12,8 @@ import torch
 from kernels.activation import (relu2, relu2_ref, gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref,
                                 swiglu_oai_and_mul, swiglu_oai_and_mul_ref)
 from kernels.gated_rmsnorm import GatedRMSNorm, gated_rms_norm, gated_rms_norm_ref
-from kernels.gemv import (NORM_MAX_GROUP, SKINNY_MAX_ROWS, gemv, gemv_ref, skinny_config, skinny_gemm,
-                          skinny_gemm_ref)
+from kernels.gemv import (NORM_MAX_COLUMNS, NORM_MAX_GROUP, SKINNY_MAX_ROWS, fuses_gated_norm, gemv, gemv_ref,
+                          skinny_config, skinny_gemm, skinny_gemm_ref)
 from kernels.kv_store import store_kv, store_kv_ref
 from kernels.layernorm import rms_norm, rms_norm_ref
 from kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
@@ -436,6 +436,11 @@ def test_gemv_refuses_a_norm_it_cannot_take():
         gemv(y, w, norm=GatedRMSNorm(z[:, :64], nw, 64, 1e-5))
     with pytest.raises(ValueError, match="norm's weight"):
         gemv(y, w, norm=GatedRMSNorm(z, nw[:64], 64, 1e-5))
+    # which norms the layers' one-row products leave to the GEMV: groups it takes, outputs up to
+    # NORM_MAX_COLUMNS wide (wider ones run the norm in its own launch, as measured)
+    assert fuses_gated_norm(GatedRMSNorm(z, nw, 64, 1e-5), NORM_MAX_COLUMNS)
+    assert not fuses_gated_norm(GatedRMSNorm(z, nw, 64, 1e-5), NORM_MAX_COLUMNS + 1)
+    assert not fuses_gated_norm(GatedRMSNorm(z, nw, 96, 1e-5), 8)
     # the layers' entry point runs such a norm first instead
     norm = GatedRMSNorm(z, nw, 96, 1e-5)
     torch.testing.assert_close(linear_op(y, w, norm=norm), torch.nn.functional.linear(norm.apply(y, ref=True), w),

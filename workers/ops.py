@@ -82,10 +82,10 @@ def _one_row(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dim() == 2 and x.shape[0] == 1
 
 
-def _norm_first(x: torch.Tensor, norm: GatedRMSNorm | None) -> tuple[torch.Tensor, GatedRMSNorm | None]:
+def _norm_first(x: torch.Tensor, norm: GatedRMSNorm | None, n: int) -> tuple[torch.Tensor, GatedRMSNorm | None]:
     """(x, norm) for the product: the norm stays for the one-row GEMV to apply in registers where
     it can (`fuses_gated_norm`), else runs first in its own launch."""
-    if norm is None or (_one_row(x) and fuses_gated_norm(norm)):
+    if norm is None or (_one_row(x) and fuses_gated_norm(norm, n)):
         return x, norm
     return gated_norm_op(x, norm), None
 
@@ -98,7 +98,7 @@ def linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     with an fp32 weight (a router kept in fp32) gives fp32, the product of x.float(): at one row
     the GEMV widens x itself (no cast launch). With `norm`, the product of norm.apply(x): the
     one-row GEMV applies it in registers, saving a launch a layer at batch 1."""
-    x, norm = _norm_first(x, norm)
+    x, norm = _norm_first(x, norm, weight.shape[0])
     if _one_row(x):
         return gemv(x, weight, bias, out=out, norm=norm)
     if weight.dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16):
@@ -119,7 +119,7 @@ def fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bl
     GEMV / skinny GEMM dequantize in registers, reading the weight at one byte an element; more
     rows (prefill, big decode batches) dequantize the weight to x's dtype for cuBLAS; on CPU the
     torch references."""
-    x, norm = _norm_first(x, norm)
+    x, norm = _norm_first(x, norm, weight.shape[0])
     if _one_row(x):
         return gemv(x, weight, bias, out=out, weight_scale=scale, block_size=block, norm=norm)
     if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= FP8_SKINNY_MAX_ROWS:
