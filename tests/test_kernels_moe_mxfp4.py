@@ -1,15 +1,17 @@
 """The MXFP4 experts' kernels (`kernels/fused_moe_mxfp4.py`): the dequantization against
 transformers' `convert_moe_packed_tensors` and the e2m1 formula, both ways of dequantizing in the
 grouped GEMM (`tl.dot_scaled`, the integer decode) against a float64 loop over tokens and their
-experts (on CPU under TRITON_INTERPRET=1, natively on a GPU)."""
+experts, and the GEMVs that a few tokens take (on CPU under TRITON_INTERPRET=1, natively on a GPU)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from kernels.fused_moe import row_tiles, tokens_per_tile_band
-from kernels.fused_moe_mxfp4 import (FP4_VALUES, MXFP4Weight, SwigluOAI, _grouped_gemm_mxfp4, dequantize_mxfp4,
-                                     fused_experts_mxfp4, fused_experts_mxfp4_ref, mxfp4_config)
+import kernels.fused_moe_mxfp4 as mxfp4
+from kernels.fused_moe_mxfp4 import (FP4_VALUES, GEMV_MAX_TOKENS, MXFP4Weight, SwigluOAI, _gemv_mxfp4,
+                                     _grouped_gemm_mxfp4, _words, dequantize_mxfp4, fused_experts_mxfp4,
+                                     fused_experts_mxfp4_ref, mxfp4_config)
 from tests.conftest import DEVICE
 from tests.test_kernels_moe import rel_err, routing
 
@@ -119,6 +121,80 @@ def test_grouped_gemm_writes_each_pair_row_once_and_nothing_else(scaled_dot, fus
     assert torch.isnan(wide[:, cols:]).all(), "wrote outside the output rows"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("t,e,k,h,inter", [
+    (1, 8, 2, 64, 32),  # a decode step
+    (3, 6, 3, 96, 64),  # H = 96: a partial K step (BLOCK_K 128)
+    (GEMV_MAX_TOKENS, 6, 4, 64, 32),  # the most tokens the GEMVs take: experts shared between tokens
+])
+def test_few_tokens_run_as_gemvs_against_a_float64_loop(dtype, t, e, k, h, inter, monkeypatch):
+    """Up to GEMV_MAX_TOKENS tokens the op takes the GEMV path (every byte value, both nibbles,
+    through the word decode), against the float64 loop; NaN scales of an expert no token chose
+    are never read."""
+    taken = []
+    gemv_path = mxfp4._experts_gemv_mxfp4
+    monkeypatch.setattr(mxfp4, "_experts_gemv_mxfp4", lambda *a: taken.append(1) or gemv_path(*a))
+    g = torch.Generator().manual_seed(t + e)
+    x = torch.randn(t, h, generator=g).to(DEVICE, dtype)
+    w13, w2 = mxfp4_weight(e, 2 * inter, h, seed=e), mxfp4_weight(e, h, inter, seed=e + 1)
+    weights, ids = routing(t, e, k, seed=t, skip=(0,))
+    w13.scales[0], w2.scales[0] = 255, 255  # (E8M0 NaN)
+    b13 = (torch.randn(e, 2 * inter, generator=g) * 0.5).to(DEVICE, dtype)
+    b2 = (torch.randn(e, h, generator=g) * 0.5).to(DEVICE, dtype)
+    got = fused_experts_mxfp4(x, w13, w2, weights.to(dtype), ids, ACT, b13, b2)
+    assert taken and got.shape == (t, h) and got.dtype == dtype
+    assert rel_err(got, oracle(x, w13, w2, weights, ids, b13, b2)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("down", [False, True], ids=["gate_up", "down"])
+def test_gemv_writes_each_output_row_once_and_nothing_else(down):
+    """One GEMV launch into a NaN-poisoned output whose rows are views of wider rows: the gate/up
+    launch (a row a pair, the activation of its (gate, up) pairs, each token's row read for its k
+    pairs) or the down launch (a row a token, the sum over its k pairs times their routing
+    weights, a bias): each row its value, the columns beside it untouched."""
+    t, e, k, kdim, n = 3, 5, 2, 96, 40
+    g = torch.Generator().manual_seed(7)
+    a = torch.randn(t * k if down else t, kdim, generator=g).to(DEVICE, torch.bfloat16)
+    w = mxfp4_weight(e, n, kdim, seed=2)
+    b = torch.randn(e, n, generator=g).to(DEVICE, torch.bfloat16)
+    weights, ids = routing(t, e, k, seed=3)
+    flat = ids.flatten().contiguous()
+    rows, cols = (t, n) if down else (t * k, n // 2)
+    wide = torch.full((rows, cols + 3), float("nan"), device=DEVICE, dtype=torch.bfloat16)
+    out = wide[:, :cols]
+    if down:
+        _gemv_mxfp4(a, w, _words(w), b, flat, out, weights.reshape(-1).contiguous(), k, 1)
+    else:
+        _gemv_mxfp4(a, w, _words(w), b, flat, out, None, 1, k, ACT)
+    wf = dequantize_mxfp4(w.blocks, w.scales, torch.float64)
+    for r in range(rows):
+        if down:
+            want = sum(weights.reshape(-1)[p].double() * (wf[flat[p]] @ a[p].double() + b[flat[p]].double())
+                       for p in range(r * k, r * k + k))
+        else:
+            h = wf[flat[r]] @ a[r // k].double() + b[flat[r]].double()
+            gate, up = h[0::2].clamp(max=LIMIT), h[1::2].clamp(-LIMIT, LIMIT)
+            want = gate * torch.sigmoid(ALPHA * gate) * (up + 1)
+        assert rel_err(out[r], want) < 1e-2, r
+    assert torch.isnan(wide[:, cols:]).all(), "wrote outside the output rows"
+
+
+def test_blocks_off_word_boundaries_take_the_grouped_path():
+    """Blocks whose rows do not start on 4-byte boundaries (a view into wider rows) cannot be read
+    as words: the op takes the grouped GEMMs instead, with the same result."""
+    e, k, h, inter = 4, 2, 64, 32
+    wide = torch.randint(0, 256, (e, 2 * inter, h // 2 + 1), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    w13 = MXFP4Weight(wide[:, :, 1:], mxfp4_weight(e, 2 * inter, h, seed=6).scales)  # rows of h/2 + 1 bytes
+    w2 = mxfp4_weight(e, h, inter, seed=7)
+    assert _words(w13) is None and _words(w2) is not None
+    x = torch.randn(1, h, generator=torch.Generator().manual_seed(1)).to(DEVICE, torch.bfloat16)
+    weights, ids = routing(1, e, k, seed=1)
+    zeros13, zeros2 = torch.zeros(e, 2 * inter, device=DEVICE), torch.zeros(e, h, device=DEVICE)
+    got = fused_experts_mxfp4(x, w13, w2, weights.bfloat16(), ids, ACT, zeros13.bfloat16(), zeros2.bfloat16())
+    assert rel_err(got, oracle(x, w13, w2, weights, ids, zeros13, zeros2)) < TOL[torch.bfloat16]
+
+
 def test_default_tiles_of_every_band_and_refusals():
     """The tiles `fused_experts_mxfp4` picks itself, one batch in each band (prefill's 128-row
     tiles included), against the float64 loop; bad weights refused."""
@@ -147,8 +223,9 @@ def test_default_tiles_of_every_band_and_refusals():
 @pytest.mark.gpu
 @pytest.mark.parametrize("scaled_dot", [True, False], ids=["dot_scaled", "decode"])
 def test_gpt_oss_widths_against_the_bf16_op(scaled_dot):
-    """gpt-oss's widths (H = I = 2880: a partial 128-wide K step) with the tiles of every band,
-    against `fused_experts` on the same weights dequantized to bf16."""
+    """gpt-oss's widths (H = I = 2880: a partial 128-wide K step) with the tiles of every band and
+    the GEMVs of 1 and GEMV_MAX_TOKENS tokens, against `fused_experts` on the same weights
+    dequantized to bf16."""
     from kernels.activation import swiglu_oai_and_mul
     from kernels.fused_moe import fused_experts
     e, k, h, inter = 8, 4, 2880, 2880
@@ -159,7 +236,7 @@ def test_gpt_oss_widths_against_the_bf16_op(scaled_dot):
     dense13, dense2 = (dequantize_mxfp4(w.blocks, w.scales, torch.bfloat16) for w in (w13, w2))
     halves = lambda t: torch.cat([t[:, 0::2], t[:, 1::2]], 1).contiguous()  # noqa: E731 (the bf16 op's layout)
     act = lambda h: swiglu_oai_and_mul(h, ALPHA, LIMIT)  # noqa: E731
-    for t in tokens_per_tile_band(e, k):
+    for t in (1, GEMV_MAX_TOKENS, *tokens_per_tile_band(e, k)):
         x = torch.randn(t, h, generator=g).to(DEVICE, torch.bfloat16)
         weights, ids = routing(t, e, k, seed=t)
         want = fused_experts(x, halves(dense13), dense2, weights.bfloat16(), ids, act, halves(b13), b2)

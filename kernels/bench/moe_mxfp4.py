@@ -8,9 +8,11 @@ of k experts a token at the bf16 product rate measured in the same run, whicheve
     python -m kernels.bench.moe_mxfp4            # 1, 64 and 1024 tokens
     python -m kernels.bench.moe_mxfp4 --sweep    # also a grid of tiles a point, the best first
     python -m kernels.bench.moe_mxfp4 --sweep --way decode --tokens 1024   # the other way, one point
+    python -m kernels.bench.moe_mxfp4 --tokens 1 2 4 8 --gemv-sweep 1      # the GEMVs' tiles at 1 token
 
-Both ways of dequantizing are timed: "dot_scaled" (`tl.dot_scaled`, the default for bf16) and
-"decode" (the kernel's own integer decode). Routing is uniform (random logits, top-k, softmax over
+Both ways of dequantizing in the grouped GEMMs are timed: "dot_scaled" (`tl.dot_scaled`, the
+default for bf16) and "decode" (the kernel's own integer decode); up to GEMV_MAX_TOKENS tokens also
+"gemv", the path the op takes there. Routing is uniform (random logits, top-k, softmax over
 the k). Everything runs in CUDA graphs (as the engine's decode does); `triton.testing.do_bench`
 medians, cold L2. Each point's output is checked against the bf16 op's (relative error < 2e-2).
 """
@@ -25,8 +27,8 @@ import torch
 from kernels.activation import swiglu_oai_and_mul
 from kernels.bench.moe import graph_us
 from kernels.fused_moe import fused_experts
-from kernels.fused_moe_mxfp4 import (MXFP4_BLOCK, MXFP4Weight, SwigluOAI, dequantize_mxfp4, fused_experts_mxfp4,
-                                     mxfp4_config)
+from kernels.fused_moe_mxfp4 import (GEMV_MAX_TOKENS, MXFP4_BLOCK, MXFP4Weight, SwigluOAI, _gemv_mxfp4, _words,
+                                     dequantize_mxfp4, fused_experts_mxfp4, mxfp4_config)
 
 SHAPE = (128, 4, 2880, 2880)  # gpt-oss-120b: experts, per token, hidden, intermediate
 TOKENS = (1, 64, 1024)
@@ -57,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", action="store_true", help="also time a grid of tiles at each point (slow)")
     p.add_argument("--way", choices=["scaled", "decode"], default="scaled",
                    help="the way --sweep times: tl.dot_scaled or the kernel's own decode (default: %(default)s)")
+    p.add_argument("--gemv-sweep", type=int, nargs="*", default=[], help="token counts to time GEMV tiles at")
     args = p.parse_args(argv)
     bw, rate = copy_bandwidth("cuda"), matmul_rate("cuda")
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s, bf16 products {rate / 1e12:.0f} TFLOP/s "
@@ -73,30 +76,60 @@ def main(argv: list[str] | None = None) -> int:
     dense2 = dequantize_mxfp4(w2.blocks, w2.scales, torch.bfloat16)
     dense_act = functools.partial(swiglu_oai_and_mul, alpha=ACT.alpha, limit=ACT.limit)
     per_expert = stored_bytes(w13, w2, b13, b2)
-    print(f"{'tokens':>6} {'experts':>7} {'MB read':>8} {'roofline':>9} {'dot_scaled':>10} {'decode':>8} {'bf16':>8} "
-          f"{'x roof':>6} {'vs bf16':>7}   (us; x roof and vs bf16 of the faster MXFP4 way)")
+    print(f"{'tokens':>6} {'experts':>7} {'MB read':>8} {'roofline':>9} {'dot_scaled':>10} {'decode':>8} {'gemv':>8} "
+          f"{'bf16':>8} {'x roof':>6} {'vs bf16':>7}   (us; x roof and vs bf16 of the fastest MXFP4 way)")
     for t in args.tokens:
         x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g)
         top, ids = torch.rand(t, e, device="cuda", generator=g).topk(k, dim=1)
         weights = torch.softmax(top, dim=1).to(torch.bfloat16)
         dense = lambda: fused_experts(x, dense13, dense2, weights, ids, dense_act, dense_b13, b2)  # noqa: E731
-        ways = {sd: functools.partial(fused_experts_mxfp4, x, w13, w2, weights, ids, ACT, b13, b2, scaled_dot=sd)
-                for sd in (True, False)}
+        cfg = mxfp4_config(t * k, e)
+        ways = {sd: functools.partial(fused_experts_mxfp4, x, w13, w2, weights, ids, ACT, b13, b2, scaled_dot=sd,
+                                      config=cfg) for sd in (True, False)}
+        if t <= GEMV_MAX_TOKENS:
+            ways["gemv"] = functools.partial(fused_experts_mxfp4, x, w13, w2, weights, ids, ACT, b13, b2)
         want = dense().float()
         for sd, run in ways.items():
             err = ((run().float() - want).norm() / want.norm()).item()
-            assert err < 2e-2, f"T={t} scaled_dot={sd}: relative error {err:.3g} against the bf16 op"
+            assert err < 2e-2, f"T={t} {sd}: relative error {err:.3g} against the bf16 op"
         used = ids.unique().numel()
         nbytes = used * per_expert + 2 * t * h * 2
         roof = max(nbytes / bw, 2 * t * k * 3 * inter * h / rate) * 1e6
         times = {sd: graph_us(run) for sd, run in ways.items()}
         t_dense = graph_us(dense)
         best = min(times.values())
-        print(f"{t:6} {used:7} {nbytes / 1e6:8.1f} {roof:9.1f} {times[True]:10.1f} {times[False]:8.1f} {t_dense:8.1f} "
-              f"{best / roof:6.2f} {t_dense / best:6.2f}x")
+        gemv = f"{times['gemv']:8.1f}" if "gemv" in times else f"{'-':>8}"
+        print(f"{t:6} {used:7} {nbytes / 1e6:8.1f} {roof:9.1f} {times[True]:10.1f} {times[False]:8.1f} {gemv} "
+              f"{t_dense:8.1f} {best / roof:6.2f} {t_dense / best:6.2f}x")
+        if t in args.gemv_sweep:
+            gemv_sweep(x, w13, w2, weights, ids, b13, b2)
         if args.sweep:
             sweep(t, e, ways[args.way == "scaled"], times[args.way == "scaled"])
     return 0
+
+
+GEMV_SWEEP = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w)
+              for n, k, w in itertools.product((8, 16, 32, 64), (512, 1024), (2, 4, 8))]
+
+
+def gemv_sweep(x, w13, w2, weights, ids, b13, b2) -> None:
+    """Every tile of GEMV_SWEEP for each of the GEMV path's two launches; the four fastest."""
+    t, k = ids.shape
+    flat, routed = ids.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
+    inter = torch.randn(t * k, w2.shape[2], device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(t, w2.shape[1], device="cuda", dtype=torch.bfloat16)
+    launches = {"gate_up": lambda cfg: _gemv_mxfp4(x, w13, _words(w13), b13, flat, inter, None, 1, k, ACT, cfg),
+                "down": lambda cfg: _gemv_mxfp4(inter, w2, _words(w2), b2, flat, out, routed, k, 1, config=cfg)}
+    for name, launch in launches.items():
+        results = []
+        for cfg in GEMV_SWEEP:
+            try:
+                results.append((graph_us(functools.partial(launch, cfg)), cfg))
+            except Exception as err:  # noqa: BLE001 (tiles that do not fit registers)
+                print(f"    skipped {cfg}: {type(err).__name__}")
+        results.sort(key=lambda r: r[0])
+        for us, cfg in results[:4]:
+            print(f"    {name:8} {us:8.1f} us  {cfg}")
 
 
 def sweep(t: int, e: int, run, shipped: float) -> None:
