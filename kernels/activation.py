@@ -17,8 +17,8 @@ import triton.language as tl
 
 from kernels.pdl import pdl_args, pdl_wait
 
-__all__ = ["apply_act", "fusable", "silu_and_mul", "silu_and_mul_ref", "gelu_tanh_and_mul", "gelu_tanh_and_mul_ref", "swiglu_oai_and_mul",
-           "swiglu_oai_and_mul_ref", "relu2", "relu2_ref"]
+__all__ = ["apply_act", "swiglu_oai", "fusable", "silu_and_mul", "silu_and_mul_ref", "gelu_tanh_and_mul",
+           "gelu_tanh_and_mul_ref", "swiglu_oai_and_mul", "swiglu_oai_and_mul_ref", "relu2", "relu2_ref"]
 
 _SILU, _GELU_TANH, _SWIGLU_OAI, _RELU2 = 0, 1, 2, 3
 
@@ -43,6 +43,13 @@ def apply_act(a, b, alpha, limit, ACT: tl.constexpr, GATED: tl.constexpr):
     if GATED:
         y = y * b
     return y
+
+
+@triton.jit
+def swiglu_oai(gate, up, alpha, limit):
+    """gpt-oss's activation (`apply_act`'s ACT 2) of fp32 (gate, up) values, for the MXFP4 expert
+    kernels that apply it to their accumulators' interleaved pairs."""
+    return apply_act(gate, up, alpha, limit, 2, True)
 
 
 @triton.jit

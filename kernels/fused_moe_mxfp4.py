@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.activation import swiglu_oai_and_mul_ref
+from kernels.activation import swiglu_oai, swiglu_oai_and_mul_ref
 from kernels.fused_moe import ROW_BANDS, RowTiles, _sum_over_k, fused_experts_ref, row_tiles, tile_rows
 from kernels.paged_attention import _interpreter_bf16
 from kernels.pdl import pdl_args, pdl_wait
@@ -158,9 +158,7 @@ def _moe_mxfp4_gemm_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, rows_ptr, 
         acc *= tl.load(rw_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     if SWIGLU:
         gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit) + 1.0
-        out = gate / (1.0 + tl.exp(-alpha * gate)) * up
+        out = swiglu_oai(gate, up, alpha, limit)
         cols = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         tl.store(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :], out.to(c_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & (cols < N // 2)[None, :])
@@ -253,11 +251,8 @@ def _moe_mxfp4_gemv_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, ids_ptr, N
     out_row = c_ptr + row.to(tl.int64) * stride_cm
     if SWIGLU:
         gate, up = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit) + 1.0
         cols = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(out_row + cols, (gate / (1.0 + tl.exp(-alpha * gate)) * up).to(c_ptr.dtype.element_ty),
-                 mask=cols < N // 2)
+        tl.store(out_row + cols, swiglu_oai(gate, up, alpha, limit).to(c_ptr.dtype.element_ty), mask=cols < N // 2)
     else:
         tl.store(out_row + rn, y.to(c_ptr.dtype.element_ty), mask=n_ok)
 
