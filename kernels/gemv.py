@@ -14,8 +14,9 @@ them through `workers.ops.linear_op`; more rows, and the LM head (0.45 ms in cuB
 at the copy rate already), go to F.linear.
 
 `gemv`: one program owns BLOCK_N output columns and walks K in BLOCK_K steps, accumulating x * W
-in fp32 registers and reducing across K once at the end, so every weight element is read once
-and the partial sums never leave the program. `skinny_gemm`: the same walk with the rows padded
+in fp32 registers (for FP8 and most bf16 weights each run of 16 keys summed first, `gemv_config`)
+and reducing across K once at the end, so every weight element is read once and the partial sums
+never leave the program. `skinny_gemm`: the same walk with the rows padded
 to a 16- or 32-row tile and the product on the tensor cores (`tl.dot`), the weight tile first
 (SWAP) where that was faster. The weight's rows must be contiguous (any row stride).
 """
@@ -64,9 +65,9 @@ def _gemv_x(x_ptr, z_ptr, nw_ptr, s_row, k, K, BK_Q, eps, SCALE: tl.constexpr, N
 @triton.jit
 def _gemv_products(w, x, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr):
     """w * x in fp32, each run of CHUNK keys summed (CHUNK 1: the whole tile). The accumulator
-    holds one fp32 register per element it keeps: for a 1-byte weight a full tile costs four
-    times the registers of its bytes, which capped the programs in flight (`gemv_config`); a run
-    of a thread's 16 contiguous bytes sums in that thread, without shuffles."""
+    holds one fp32 register per element it keeps: a whole tile costs two (bf16) or four (FP8)
+    times the registers of its bytes, which capped the bytes in flight (`gemv_config`). A run of
+    16 is one 16-byte load of FP8 (summed in its thread) or two of bf16 (two threads, one shuffle)."""
     p = w.to(tl.float32) * x[None, :]
     if CHUNK > 1:
         p = tl.sum(tl.reshape(p, [BLOCK_N, BLOCK_K // CHUNK, CHUNK]), 2)
@@ -108,19 +109,32 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, s_ptr, z_ptr, nw_ptr, eps, N, K, st
 
 
 def gemv_config(n: int, k: int, elem_bytes: int = 2) -> dict:
-    """Tiles from the H200 sweep above: few output columns over a long K (o_proj, down_proj: N
-    3840) want wide programs, 16 columns x 1024 keys on 8 warps; many columns (qkv, gate_up)
-    narrow ones, 4-8 columns x 256 on 4 warps, so that ~2,000-4,000 programs spread the read.
-    A 1-byte (FP8) weight sums each thread's 16 bytes in registers (CHUNK, `_gemv_products`) and
-    takes wider steps: 16 columns x 4,096 keys on 8 warps up to 4,096 columns, 16 x 2,048 on 4
-    beyond. Gemma-3-12B's FP8 projections with block scales, one row, one H200 (the sweep beside
-    `kernels.bench.fp8_gemv`), us against the whole-tile accumulator's 16 x 1,024 tiles: qkv 8.92
-    against 12.87, o_proj 6.10 against 6.80, gate_up 28.84 against 45.77, down 16.99 against
-    23.34; the same 1,024-key tiles with CHUNK gained less (qkv 10.19, gate_up 32.31)."""
+    """Tiles from H200 sweeps (CUDA graphs, REPS weights each, one row). 1- and 2-byte weights sum
+    each thread's 16 keys in registers (CHUNK, `_gemv_products`) and take long K steps: a whole-tile
+    accumulator costs an fp32 register an element, which capped the bytes in flight.
+    - FP8: 16 columns x 4,096 keys on 8 warps up to 4,096 columns, 16 x 2,048 on 4 beyond.
+      Gemma-3-12B's projections with block scales (`kernels.bench.fp8_gemv`), us against the
+      whole-tile 16 x 1,024: qkv 8.92 against 12.87, o_proj 6.10 against 6.80, gate_up 28.84
+      against 45.77, down 16.99 against 23.34.
+    - bf16 with K up to 4,096: 8 columns x 4,096 keys on 8 warps up to 4,096 columns, 8 x 2,048 on
+      4 beyond. Against the whole-tile tiles below, us: gpt-oss-120b qkv (5,120 x 2,880) 8.04
+      against 11.53, o_proj 7.11 / 7.67; Qwen3.6-35B-A3B in_proj (12,288 x 2,048) 13.11 / 14.72,
+      out_proj (2,048 x 4,096) 5.07 / 6.37; Gemma-3-12B qkv 15.81 / 16.29, o_proj 8.70 / 8.54,
+      gate_up 52.24 / 61.26. Whole batch-1 steps, each against the whole-tile tiles in the same
+      call: gpt-oss-120b 2.99 against 3.10 ms, Qwen3.6-35B-A3B 2.70 against 2.77, but Gemma-3-12B
+      6.72 against 6.66, slower although its products alone are faster (not explained yet).
+    - Wider K in bf16 (Gemma-3-12B's down_proj, every Qwen3.6-27B projection) and fp32 weights
+      (routers) keep the whole-tile accumulator: few output columns over a long K want wide
+      programs, 16 columns x 1,024 keys on 8 warps; many columns narrow ones, 4-8 x 256 on 4 warps,
+      so that ~2,000-4,000 programs spread the read."""
     if elem_bytes == 1:
         if n <= 4096:
             return {"BLOCK_N": 16, "BLOCK_K": 4096, "num_warps": 8, "num_stages": 1, "CHUNK": 16}
         return {"BLOCK_N": 16, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 1, "CHUNK": 16}
+    if elem_bytes == 2 and k <= 4096:
+        if n <= 4096:
+            return {"BLOCK_N": 8, "BLOCK_K": 4096, "num_warps": 8, "num_stages": 1, "CHUNK": 16}
+        return {"BLOCK_N": 8, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 1, "CHUNK": 16}
     if n <= 4096:
         return {"BLOCK_N": 16, "BLOCK_K": 1024, "num_warps": 8, "num_stages": 1}
     if n <= 16384:

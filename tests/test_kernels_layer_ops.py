@@ -371,6 +371,8 @@ def _nan_padded_rows(rows: int, cols: int, pad: int, dtype: torch.dtype) -> torc
     (4100, 96, None),  # N past the first tile rule
     (21, 700, {"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}),
     (50, 513, {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4, "num_stages": 1}),
+    # runs of 16 keys summed before the accumulator, three K steps, the last one partial
+    (50, 2600, {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1, "CHUNK": 16}),
 ])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 def test_gemv(impl, dtype, n, k, cfg, bias):
@@ -395,6 +397,7 @@ def test_gemv(impl, dtype, n, k, cfg, bias):
     (128, 512, 40, None),  # Gated DeltaNet heads: several groups a K step
     (64, 320, 21, {"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}),  # a partial last step
     (128, 640, 37, {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1}),  # groups wider than the step
+    (128, 2304, 24, {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1, "CHUNK": 16}),  # runs of 16
 ])
 @pytest.mark.parametrize("before,rounded", [(False, False), (True, True)], ids=["gate-first", "norm-first"])
 def test_gemv_applies_a_gated_norm(impl, dtype, group, k, n, cfg, before, rounded):

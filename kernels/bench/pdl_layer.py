@@ -61,7 +61,7 @@ def _gemv(x_ptr, w_ptr, y_ptr, N, K, stride_wn, PDL: tl.constexpr, PREFETCH: tl.
     tl.store(y_ptr + rn, tl.sum(acc, 1).to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
-def gemv_config(n: int) -> tuple[int, int, int, int]:  # as kernels.gemv.gemv_config
+def gemv_config(n: int) -> tuple[int, int, int, int]:  # kernels.gemv.gemv_config's whole-tile tiles (its fp32 rule)
     if n <= 4096:
         return 16, 1024, 8, 1
     if n <= 16384:

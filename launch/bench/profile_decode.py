@@ -1,7 +1,8 @@
 """On a GPU: wall time against device-busy time of decode steps (torch.profiler), the kernels that
 take the time, and the step time without the profiler.
 
-    python -m launch.bench.profile_decode MODEL_DIR [--batch 1 128] [--load-format dummy] [--tp 1] [--eager] [--top 10]
+    python -m launch.bench.profile_decode MODEL_DIR [--batch 1 128] [--load-format dummy] [--quantization fp8]
+        [--tp 1] [--eager] [--top 10]
 
 With programmatic dependent launch (kernels/pdl.py, on Hopper) a kernel starts before the one
 before it ends and its time includes that wait, so the kernels' times add up to more than the
@@ -30,12 +31,13 @@ def main() -> int:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 128])
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--load-format", default="auto")
+    p.add_argument("--quantization", default=None, choices=["fp8"], help="as `bench latency --quantization`")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--eager", action="store_true")
     p.add_argument("--top", type=int, default=10, help="kernels listed per batch")
     args = p.parse_args()
     with LLM(args.model, tensor_parallel_size=args.tp, load_format=args.load_format, max_model_len=1024,
-             enforce_eager=args.eager) as llm:
+             enforce_eager=args.eager, quantization=args.quantization) as llm:
         vocab = llm.info.vocab_size
         core = llm.engine
         for b in args.batch:
