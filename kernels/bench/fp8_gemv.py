@@ -24,8 +24,10 @@ from kernels.gemv import FP8_SKINNY_MAX_ROWS, SKINNY_MAX_ROWS, gemv, skinny_gemm
 
 SHAPES = {"qkv": (8192, 3840), "o_proj": (3840, 4096), "gate_up": (30720, 3840), "down": (3840, 15360)}
 BLOCK = (128, 128)
-# Alternatives to the shipped tiles for the FP8 block case (one row: BLOCK_N, BLOCK_K, warps, stages).
-GEMV_CANDIDATES = [(4, 512, 4, 3), (8, 512, 4, 2), (16, 1024, 8, 1), (16, 2048, 8, 1), (32, 1024, 8, 1)]
+# Alternatives to the shipped tiles for the FP8 block case (one row: BLOCK_N, BLOCK_K, warps, stages,
+# CHUNK): the whole-tile accumulator (CHUNK 1) and runs of 16 keys summed first, as `gemv_config`.
+GEMV_CANDIDATES = [(16, 1024, 8, 1, 1), (4, 512, 4, 3, 1), (16, 1024, 8, 1, 16), (16, 2048, 4, 1, 16),
+                   (16, 2048, 8, 1, 16), (16, 4096, 8, 1, 16), (8, 4096, 8, 1, 16)]
 
 
 def _op(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, block, y: torch.Tensor, cfg=None,
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             cases += [(f"fp8 {kind} scales", kind, BLOCK if kind == "block" else None, None, 1, False) for kind in fp8]
             cases += [("fp8 block: dequantize + cuBLAS", "block", BLOCK, None, 1, True)]
             if m == 1:
-                cases += [(f"fp8 block {c}", "block", BLOCK, dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"),
+                cases += [(f"fp8 block {c}", "block", BLOCK, dict(zip(("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "CHUNK"),
                                                                      c)), 1, False) for c in GEMV_CANDIDATES]
             for label, kind, block, cfg, elem, deq in cases:
                 ws = bf16 if kind is None else [q for q, _ in fp8[kind]]
