@@ -254,6 +254,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if norm is not None:
         group = norm.group_size
         cfg["BLOCK_K"] = max(cfg["BLOCK_K"], group)
+    chunk = cfg.get("CHUNK", 1)
+    if not isinstance(chunk, int) or chunk < 1 or chunk & (chunk - 1) or cfg["BLOCK_K"] % chunk:
+        raise ValueError(f"CHUNK must be a power of two dividing BLOCK_K={cfg['BLOCK_K']}, got {chunk!r}")
     _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
         x, weight, bias if bias is not None else x, out,
         **_scale_args(weight, weight_scale, block_size, cfg["BLOCK_N"]),
@@ -261,7 +264,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         eps=0.0 if norm is None else float(norm.eps), N=n, K=k, stride_wn=weight.stride(0), HAS_BIAS=bias is not None,
         NORM=norm is not None, GROUP=group, NORM_BEFORE_GATE=norm is not None and bool(norm.norm_before_gate),
         ROUND_BEFORE_WEIGHT=norm is not None and bool(norm.round_before_weight), BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"], CHUNK=cfg.get("CHUNK", 1), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        BLOCK_K=cfg["BLOCK_K"], CHUNK=chunk, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl_args(x))
     return out
 

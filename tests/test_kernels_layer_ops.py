@@ -462,6 +462,10 @@ def test_gemv_bad_arguments():
         gemv(x, w.half())
     with pytest.raises(ValueError, match="out must be"):
         gemv(x, w, out=torch.empty(1, 5, device=DEVICE))
+    tile = {"BLOCK_N": 4, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1}
+    for chunk in (3, 128, 0):
+        with pytest.raises(ValueError, match="CHUNK must be a power of two dividing BLOCK_K=64"):
+            gemv(x, w, config={**tile, "CHUNK": chunk})
 
 
 @pytest.mark.parametrize("impl", [gemv, gemv_ref], ids=["triton", "torch"])
