@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels.activation import apply_act, fusable
+from kernels.moe_gemv import experts_gemv, takes as gemv_takes
 from kernels.paged_attention import _interpreter_bf16
 from kernels.pdl import pdl_args, pdl_wait
 
@@ -335,19 +336,25 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     Experts without a gate (Nemotron-H's) have w13 [E, I, H] (up rows alone, told apart by w2's
     I) and an elementwise activation [R, I] -> [R, I] (e.g. `relu2`).
     Ids must lie in [0, E) (the router's top-k). `weight_input`: the weights scale each pair's
-    input, sum_j W2 act(W13 (w_tj x_t)), rather than its output."""
+    input, sum_j W2 act(W13 (w_tj x_t)), rather than its output. Without `config`, up to
+    a few tokens through narrow experts run as GEMVs (`kernels.moe_gemv.takes`), the same numbers
+    in two launches."""
     _check(x, w13, w2, topk_weights, topk_ids, b13, b2, weight_input)
     t, k = topk_ids.shape
     e, two_i, h = w13.shape
     if t == 0:
         return x.new_zeros((0, h))
+    act = fusable(act_and_mul)
+    if act is not None and two_i != w2.shape[2] * (2 if act[1] else 1):
+        act = None
+    if config is None and gemv_takes(t, w2.shape[2]):
+        return experts_gemv(x, w13, w2, topk_weights, topk_ids, act_and_mul, act, b13, b2, weight_input)
     cfg = config or moe_config(t * k, e, x.element_size())
     tiles = row_tiles(topk_ids, e, cfg["BLOCK_M"])
     x = x if x.stride(1) == 1 else x.contiguous()
     routed = topk_weights.reshape(-1).contiguous()
     first_routed = routed if weight_input else None
-    act = fusable(act_and_mul) if cfg["BLOCK_M"] <= 32 else None
-    if act is not None and two_i == w2.shape[2] * (2 if act[1] else 1):
+    if act is not None and cfg["BLOCK_M"] <= 32:
         # Decode-sized steps apply the activation in the first launch: one launch a layer fewer. A
         # gated program reads BLOCK_N gate and BLOCK_N up rows: half the columns, as many rows.
         inter = torch.empty((t * k, w2.shape[2]), dtype=x.dtype, device=x.device)

@@ -74,6 +74,14 @@ def _gemv_products(w, x, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl
     return p
 
 
+def check_chunk(cfg: dict) -> int:
+    """A config's CHUNK (1 if it has none), refused unless a power of two dividing BLOCK_K."""
+    chunk = cfg.get("CHUNK", 1)
+    if not isinstance(chunk, int) or chunk < 1 or chunk & (chunk - 1) or cfg["BLOCK_K"] % chunk:
+        raise ValueError(f"CHUNK must be a power of two dividing BLOCK_K={cfg['BLOCK_K']}, got {chunk!r}")
+    return chunk
+
+
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, s_ptr, z_ptr, nw_ptr, eps, N, K, stride_wn, stride_sn, BN_Q, BK_Q,
                  HAS_BIAS: tl.constexpr, SCALE: tl.constexpr, NORM: tl.constexpr, GROUP: tl.constexpr,
@@ -108,6 +116,13 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, s_ptr, z_ptr, nw_ptr, eps, N, K, st
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
+# bf16 outputs of up to this many columns (routers) take programs of 2 columns over the whole K:
+# 8 a program left a router a few dozen programs. One H200, one row, 96 weights in a CUDA graph,
+# us against 8 x 4,096 on 8 warps: gpt-oss-120b's router [128, 2,880] 1.34 against 1.57, a
+# [128, 2,816] one 1.19 against 1.57, Qwen3.6-35B-A3B's [257, 2,048] 1.39 against 1.39.
+NARROW_COLUMNS = 1024
+
+
 def gemv_config(n: int, k: int, elem_bytes: int = 2) -> dict:
     """Tiles from H200 sweeps (CUDA graphs, REPS weights each, one row). 1- and 2-byte weights sum
     each thread's 16 keys in registers (CHUNK, `_gemv_products`) and take long K steps: a whole-tile
@@ -123,6 +138,7 @@ def gemv_config(n: int, k: int, elem_bytes: int = 2) -> dict:
       gate_up 52.24 / 61.26. Whole batch-1 steps, each against the whole-tile tiles in the same
       call: gpt-oss-120b 2.99 against 3.10 ms, Qwen3.6-35B-A3B 2.70 against 2.77, but Gemma-3-12B
       6.72 against 6.66, slower although its products alone are faster (not explained yet).
+    - bf16 outputs of up to NARROW_COLUMNS columns (routers): 2 columns x the whole K on 4 warps.
     - Wider K in bf16 (Gemma-3-12B's down_proj, every Qwen3.6-27B projection) and fp32 weights
       (routers) keep the whole-tile accumulator: few output columns over a long K want wide
       programs, 16 columns x 1,024 keys on 8 warps; many columns narrow ones, 4-8 x 256 on 4 warps,
@@ -132,6 +148,9 @@ def gemv_config(n: int, k: int, elem_bytes: int = 2) -> dict:
             return {"BLOCK_N": 16, "BLOCK_K": 4096, "num_warps": 8, "num_stages": 1, "CHUNK": 16}
         return {"BLOCK_N": 16, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 1, "CHUNK": 16}
     if elem_bytes == 2 and k <= 4096:
+        if n <= NARROW_COLUMNS:
+            return {"BLOCK_N": 2, "BLOCK_K": min(4096, max(16, triton.next_power_of_2(k))), "num_warps": 4,
+                    "num_stages": 1, "CHUNK": 16}
         if n <= 4096:
             return {"BLOCK_N": 8, "BLOCK_K": 4096, "num_warps": 8, "num_stages": 1, "CHUNK": 16}
         return {"BLOCK_N": 8, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 1, "CHUNK": 16}
@@ -254,9 +273,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if norm is not None:
         group = norm.group_size
         cfg["BLOCK_K"] = max(cfg["BLOCK_K"], group)
-    chunk = cfg.get("CHUNK", 1)
-    if not isinstance(chunk, int) or chunk < 1 or chunk & (chunk - 1) or cfg["BLOCK_K"] % chunk:
-        raise ValueError(f"CHUNK must be a power of two dividing BLOCK_K={cfg['BLOCK_K']}, got {chunk!r}")
+    chunk = check_chunk(cfg)
     _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
         x, weight, bias if bias is not None else x, out,
         **_scale_args(weight, weight_scale, block_size, cfg["BLOCK_N"]),

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.activation import relu2, relu2_ref, silu_and_mul, silu_and_mul_ref
+from kernels import fused_moe
+from kernels.activation import fusable, relu2, relu2_ref, silu_and_mul, silu_and_mul_ref
 from kernels.fused_moe import (_grouped_gemm, fused_experts, fused_experts_ref, moe_align, moe_align_kernel, row_tiles,
                                moe_align_torch, moe_config, tokens_per_tile_band)
+from kernels.moe_gemv import GEMV_MAX_INTERMEDIATE, GEMV_MAX_TOKENS, _launch, experts_gemv
 from kernels.moe_routing import (topk_sigmoid, topk_sigmoid_grouped, topk_sigmoid_grouped_ref, topk_sigmoid_ref,
                                  topk_softmax, topk_softmax_ref)
 
@@ -157,6 +159,114 @@ def test_default_tiles_of_every_band(dtype):
         weights, ids = routing(t, e, k, seed=t)
         out = fused_experts(x, w13, w2, weights.to(dtype), ids, silu_and_mul)
         assert rel_err(out, oracle(x, w13, w2, weights.to(dtype), ids)) < TOL[dtype], (t, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("t,e,k,h,inter", [
+    (1, 8, 2, 64, 32),  # a decode step
+    (3, 6, 3, 96, 64),  # H = 96: a partial K step
+    (GEMV_MAX_TOKENS, 6, 4, 64, 32),  # the most tokens the GEMVs take: experts shared between tokens
+])
+def test_few_tokens_run_as_gemvs(dtype, t, e, k, h, inter, monkeypatch):
+    """Up to GEMV_MAX_TOKENS tokens `fused_experts` takes the GEMV path, with biases, against the
+    float64 loop and the grouped GEMMs; an expert no token chose holds NaN and is never read."""
+    taken = []
+    monkeypatch.setattr(fused_moe, "experts_gemv", lambda *a: taken.append(1) or experts_gemv(*a))
+    g = torch.Generator().manual_seed(t + e)
+    x = torch.randn(t, h, generator=g).to(DEVICE, dtype)
+    w13, w2 = expert_weights(e, inter, h, dtype, seed=e)
+    weights, ids = routing(t, e, k, seed=t, skip=(0,))
+    weights = weights.to(dtype)
+    b13 = (torch.randn(e, 2 * inter, generator=g) * 0.5).to(DEVICE, dtype)
+    b2 = (torch.randn(e, h, generator=g) * 0.5).to(DEVICE, dtype)
+    grouped = fused_experts(x, w13, w2, weights, ids, silu_and_mul, b13, b2, config=SMALL)
+    assert not taken
+    for w in (w13, w2, b13, b2):
+        w[0] = float("nan")
+    got = fused_experts(x, w13, w2, weights, ids, silu_and_mul, b13, b2)
+    assert taken and got.shape == (t, h) and got.dtype == dtype
+    assert rel_err(got, oracle(x, w13, w2, weights, ids, b13, b2)) < TOL[dtype]
+    assert rel_err(got, grouped.double()) < TOL[dtype] / 4
+
+
+@pytest.mark.parametrize("variant", ["relu2", "weight_input", "unfused"])
+def test_gemv_path_variants(variant, monkeypatch):
+    """The GEMV path's other cases against the loop `fused_experts_ref`: experts without a gate
+    (relu^2), router weights on the input, and an activation it cannot fuse (run after the raw
+    gate/up product)."""
+    taken = []
+    monkeypatch.setattr(fused_moe, "experts_gemv", lambda *a: taken.append(1) or experts_gemv(*a))
+    t, e, k, h, inter = 3, 6, 2, 64, 32
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    w13, w2 = expert_weights(e, inter, h, torch.float32, seed=4)
+    weights, ids = routing(t, e, k, seed=5)
+    act, kw = silu_and_mul, {}
+    if variant == "relu2":
+        w13, act = w13[:, :inter].contiguous(), relu2
+    elif variant == "weight_input":
+        kw = {"weight_input": True}
+    else:
+        act = lambda y: silu_and_mul(y)  # noqa: E731
+    got = fused_experts(x, w13, w2, weights, ids, act, **kw)
+    want = fused_experts_ref(x.cpu(), w13.cpu(), w2.cpu(), weights.cpu(), ids.cpu(),
+                             relu2_ref if variant == "relu2" else silu_and_mul_ref, **kw)
+    assert taken and rel_err(got.cpu(), want.double()) < 1e-5
+    if variant == "weight_input":  # (the weights do move the result)
+        assert rel_err(fused_experts(x, w13, w2, weights, ids, act).cpu(), want.double()) > 0.05
+
+
+@pytest.mark.parametrize("down", [False, True], ids=["gate_up", "down"])
+def test_gemv_writes_each_output_row_once_and_nothing_else(down):
+    """One GEMV launch into a NaN-poisoned output whose rows are views of wider rows: the gate/up
+    launch (a row a pair, the activation of its gate and up rows, each token's row read for its k
+    pairs) or the down launch (a row a token, the sum over its k pairs times their routing
+    weights, a bias); each row its value, the columns beside it untouched."""
+    t, e, k, kdim, n = 3, 5, 2, 96, 40
+    g = torch.Generator().manual_seed(7)
+    a = torch.randn(t * k if down else t, kdim, generator=g).to(DEVICE)
+    w = (torch.randn(e, n, kdim, generator=g) / kdim ** 0.5).to(DEVICE)
+    b = torch.randn(e, n, generator=g).to(DEVICE)
+    weights, ids = routing(t, e, k, seed=3)
+    flat = ids.flatten().contiguous()
+    rows, cols = (t, n) if down else (t * k, n // 2)
+    wide = torch.full((rows, cols + 3), float("nan"), device=DEVICE)
+    out = wide[:, :cols]
+    if down:
+        _launch(a, w, b, flat, out, weights.reshape(-1).contiguous(), k, 1, n, None, None)
+    else:
+        _launch(a, w, b, flat, out, None, 1, k, cols, fusable(silu_and_mul), None)
+    wd, ad, bd = w.double(), a.double(), b.double()
+    for r in range(rows):
+        if down:
+            want = sum(weights.reshape(-1)[p].double() * (wd[flat[p]] @ ad[p] + bd[flat[p]])
+                       for p in range(r * k, r * k + k))
+        else:
+            hv = wd[flat[r]] @ ad[r // k] + bd[flat[r]]
+            want = torch.nn.functional.silu(hv[:cols]) * hv[cols:]
+        assert rel_err(out[r], want) < 1e-5, r
+    assert torch.isnan(wide[:, cols:]).all(), "wrote outside the output rows"
+
+
+def test_wide_experts_and_more_tokens_take_the_grouped_gemms(monkeypatch):
+    """Past GEMV_MAX_TOKENS tokens, or with experts wider than GEMV_MAX_INTERMEDIATE, the op
+    runs the grouped GEMMs (still right)."""
+    taken = []
+    monkeypatch.setattr(fused_moe, "experts_gemv", lambda *a: taken.append(1) or experts_gemv(*a))
+    for t, inter in ((1, GEMV_MAX_INTERMEDIATE + 8), (GEMV_MAX_TOKENS + 1, 16)):
+        w13, w2 = expert_weights(4, inter, 32, torch.float32, seed=t)
+        x = torch.randn(t, 32, generator=torch.Generator().manual_seed(t)).to(DEVICE)
+        weights, ids = routing(t, 4, 2, seed=t)
+        assert rel_err(fused_experts(x, w13, w2, weights, ids, silu_and_mul), oracle(x, w13, w2, weights, ids)) < 1e-5
+    assert not taken
+
+
+def test_gemv_refuses_a_chunk_that_does_not_divide_its_k_step():
+    w13, w2 = expert_weights(4, 16, 32, torch.float32, seed=1)
+    weights, ids = routing(1, 4, 2, seed=1)
+    bad = {"BLOCK_N": 8, "BLOCK_K": 32, "num_warps": 4, "CHUNK": 3}
+    with pytest.raises(ValueError, match="CHUNK"):
+        experts_gemv(torch.randn(1, 32, device=DEVICE), w13, w2, weights, ids, silu_and_mul,
+                     fusable(silu_and_mul), None, None, False, (bad, bad))
 
 
 @pytest.mark.parametrize("impl", [topk_softmax, topk_softmax_ref], ids=["triton", "torch"])

@@ -6,6 +6,14 @@ chosen experts (transformers' eager experts: gather, two products, index_add).
 
     python -m kernels.bench.moe            # the experts, then the routers
     python -m kernels.bench.moe --router   # the routers alone
+    python -m kernels.bench.moe --few        # GEMVs against grouped GEMMs at 1-8 tokens
+    python -m kernels.bench.moe --gemv-sweep
+
+A few tokens through narrow experts run as GEMVs (`kernels.moe_gemv.takes`). `--few` times
+the GEMVs (forced where the op would not take them) against the grouped GEMMs (their tiles
+forced) at 1-8 tokens as a decode step runs them: REPS calls back to back in one CUDA graph,
+each with its own routing (so each reads its own experts, mostly not in the L2); `--gemv-sweep`
+times the GEMVs' tiles at one token.
 
 Routing is uniform (random logits, top-k, softmax over the k), as random router weights give.
 Ours runs inside a CUDA graph (as the engine's decode does) and eagerly; the torch loop eagerly
@@ -20,19 +28,20 @@ REPS calls back to back in one CUDA graph (`kernels.bench.graph_timing`), micros
 from __future__ import annotations
 
 import torch
+import triton
 
 from kernels.activation import silu_and_mul
 from kernels.fused_moe import ALIGN_KERNEL_MAX_PAIRS, fused_experts, moe_align_kernel, moe_align_torch, moe_config
+from kernels.moe_gemv import experts_gemv, moe_gemv_config, takes
 from kernels.moe_routing import topk_sigmoid_grouped, topk_sigmoid_grouped_ref
 
 # name: (experts, per token, hidden, expert intermediate)
 SHAPES = {"granite-4.0-h-tiny": (64, 6, 1536, 512), "granite-4.0-h-small": (72, 10, 4096, 768),
-          "gpt-oss-20b (bf16)": (32, 4, 2880, 2880)}
-TOKENS = (1, 8, 32, 128, 256, 1024)
-# name: (experts, per token, n_group, topk_group, shared slots); Nemotron-3-Nano's shared expert
-# is two slots at TP=1.
-ROUTERS = {"nemotron-3-nano-30b-a3b": (128, 6, 1, 1, 2), "deepseek-v3 (256 in 8 groups)": (256, 8, 8, 4, 1)}
-ROUTER_TOKENS = (1, 8, 128)
+          "gpt-oss-20b (bf16)": (32, 4, 2880, 2880), "qwen3.6-35b-a3b": (256, 8, 2048, 512)}
+TOKENS = (1, 2, 4, 8, 32, 128, 256, 1024)
+# The GEMV tiles `--gemv-sweep` times, for each launch with the other's default: (weight tile
+# elements, warps), the tile's columns following from the elements as `moe_gemv_config`'s do.
+GEMV_TILES = [(e, w) for e in (4096, 8192, 16384, 32768) for w in (2, 4, 8)]
 
 
 def torch_loop(x, w13, w2, weights, ids):
@@ -93,6 +102,55 @@ def time_shape(name: str, shape: tuple[int, int, int, int], bw: float, rate: flo
               f"{t_loop:8.1f} {t_graph / roof:6.2f} {t_loop / t_graph:7.1f}x {a_kernel:6.1f} {a_torch:6.1f}")
 
 
+def gemv_sweep(name: str, shape: tuple[int, int, int, int], bw: float, g: torch.Generator) -> None:
+    """One token's experts with each of GEMV_TILES in one launch (the other at its default), in
+    CUDA graphs, against the roofline."""
+    e, k, h, inter = shape
+    w13, w2 = expert_weights(e, h, inter, g)
+    x = torch.randn(1, h, device="cuda", dtype=torch.bfloat16, generator=g)
+    top, ids = torch.rand(1, e, device="cuda", generator=g).topk(k, dim=1)
+    weights = torch.softmax(top, dim=1).to(torch.bfloat16)
+    roof = (k * 3 * inter * h * 2 + 2 * h * 2) / bw * 1e6
+    want = fused_experts(x, w13, w2, weights, ids, silu_and_mul)
+    default = (moe_gemv_config(h, 1, 2, 2), moe_gemv_config(inter, k, 1, 2))
+    print(f"{name}: one token, us (roofline {roof:.1f}); defaults {default}")
+    for launch in (0, 1):
+        for elements, warps in GEMV_TILES:
+            cfg = dict(default[launch], num_warps=warps)
+            slots, halves = (1, 2) if launch == 0 else (triton.next_power_of_2(k), 1)
+            cfg["BLOCK_N"] = max(1, elements // (slots * cfg["BLOCK_K"]) // halves)
+            cfgs = (cfg, default[1]) if launch == 0 else (default[0], cfg)
+            run = lambda cfgs=cfgs: experts_gemv(x, w13, w2, weights, ids, silu_and_mul, (0, True), None,  # noqa: E731
+                                                 None, False, cfgs)
+            err = ((run().float() - want.float()).norm() / want.float().norm()).item()
+            print(f"  {'gate/up' if launch == 0 else 'down':7} {cfg['BLOCK_N']:3} x {cfg['BLOCK_K']:4} on {warps} warps "
+                  f"{graph_us(run):8.1f}  (relative difference {err:.1e})")
+
+
+FEW_TOKENS = (1, 2, 4, 8)
+
+
+def time_few(name: str, shape: tuple[int, int, int, int], bw: float, g: torch.Generator) -> None:
+    from kernels.bench.graph_timing import REPS, graph_time_us
+    e, k, h, inter = shape
+    w13, w2 = expert_weights(e, h, inter, g)
+    for t in FEW_TOKENS:
+        x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g)
+        routes = []
+        for _ in range(REPS):
+            top, ids = torch.rand(t, e, device="cuda", generator=g).topk(k, dim=1)
+            routes.append((torch.softmax(top, dim=1).to(torch.bfloat16), ids))
+        cfg = moe_config(t * k, e)
+        gemv_fn = [lambda r=r: experts_gemv(x, w13, w2, *r, silu_and_mul, (0, True), None, None, False) for r in routes]
+        grouped_fn = [lambda r=r: fused_experts(x, w13, w2, *r, silu_and_mul, config=cfg) for r in routes]
+        a, b = gemv_fn[0](), grouped_fn[0]()
+        err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        used = sum(r[1].unique().numel() for r in routes) / REPS
+        roof = (used * 3 * inter * h * 2 + 2 * t * h * 2) / bw * 1e6
+        print(f"{name:20} {t:6} {used:7.1f} {roof:9.1f} {graph_time_us(gemv_fn):8.1f} {graph_time_us(grouped_fn):8.1f}"
+              f"   (the op takes the {'GEMVs' if takes(t, inter) else 'grouped GEMMs'}; difference {err:.1e})")
+
+
 def time_routers() -> None:
     from kernels.bench.graph_timing import REPS, graph_time_us
     print(f"{'router':30} {'tokens':>6} {'kernel':>8} {'torch':>8}   (us a call, {REPS} calls in a CUDA graph)")
@@ -143,6 +201,17 @@ def main() -> int:
         return 0
     from kernels.bench.roofline import copy_bandwidth, matmul_rate
     bw, rate = copy_bandwidth("cuda"), matmul_rate("cuda")
+    few = {"--few": time_few, "--gemv-sweep": gemv_sweep}
+    mode = next((few[a] for a in sys.argv[1:] if a in few), None)
+    if mode is not None:
+        print(f"copy {bw / 1e12:.2f} TB/s (same run)")
+        if mode is time_few:
+            print(f"{'shape':20} {'tokens':>6} {'experts':>7} {'roofline':>9} {'GEMVs':>8} {'grouped':>8}   (us a call)")
+        g = torch.Generator(device="cuda").manual_seed(0)
+        for name, shape in SHAPES.items():
+            mode(name, shape, bw, g)
+            torch.cuda.empty_cache()
+        return 0
     print(f"copy {bw / 1e12:.2f} TB/s, bf16 products {rate / 1e12:.0f} TFLOP/s (same run)")
     print(f"{'shape':20} {'tokens':>6} {'experts':>7} {'MB read':>8} {'roofline':>9} {'graph':>8} {'eager':>8} "
           f"{'torch':>8} {'x roof':>6} {'vs torch':>8} {'align':>6} {'torch':>6}   (us)")

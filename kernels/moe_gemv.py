@@ -1,0 +1,157 @@
+"""A few tokens' routed experts as GEMVs on the CUDA cores: two launches, no alignment, no sum.
+
+At a decode step of one or a few tokens the grouped GEMMs of `kernels.fused_moe` pad each
+(token, expert) pair to a 16-row tensor-core tile, need the pairs sorted by expert (one more
+launch beyond one token) and a launch that sums each token's k rows. Here each program of the
+first launch owns BLOCK_N columns of one pair's gate and up rows (the expert read from the
+router's ids) and writes the activation; each program of the second owns BLOCK_N columns of one
+token's output and walks that token's k pairs itself, so the sum needs no launch of its own. The
+products are `kernels.gemv`'s: each run of CHUNK keys summed in registers before the accumulator.
+
+Numbers as the grouped path's: the activation reads its inputs rounded to the output dtype, and
+each pair's down product (times its router weight) is rounded to it before the fp32 sum over the
+pairs that is rounded once (summed as a tree here, in pair order there).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.activation import apply_act
+from kernels.gemv import check_chunk
+from kernels.pdl import pdl_args, pdl_wait
+
+__all__ = ["GEMV_MAX_INTERMEDIATE", "GEMV_MAX_TOKENS", "experts_gemv", "moe_gemv_config", "takes"]
+
+# `kernels.fused_moe.fused_experts` runs its experts here up to GEMV_MAX_TOKENS tokens for
+# experts of at most GEMV_MAX_INTERMEDIATE intermediate columns (a rank's). One H200, bf16, REPS
+# calls in a CUDA graph each with its own routing (`kernels.bench.moe --few`), us at 1 / 2 / 4
+# tokens, GEMVs against the grouped GEMMs: Qwen3.6-35B-A3B's experts (I 512) 18.3 / 30.5 / 53.2
+# against 18.3 / 33.6 / 59.4, Granite-4.0-H-Tiny's (I 512) 12.3 / 19.9 / 31.9 against 13.6 / 21.3 /
+# 34.0; wider experts were as fast or slower (Granite-4.0-H-Small's, I 768: 53.7 / 97.2 / 175.3
+# against 51.7 / 100.1 / 147.9; gpt-oss-20b's in bf16, I 2,880: 56.3 / 98.4 / 170.9 against
+# 55.4 / 97.6 / 162.4), and Nemotron-3-Nano's decode step at batch 1 (I 1,856, two shared
+# slots) was 2.45 ms against 2.40 with them.
+GEMV_MAX_TOKENS = 4
+GEMV_MAX_INTERMEDIATE = 512
+
+
+@triton.jit
+def _moe_gemv_kernel(a_ptr, w_ptr, b_ptr, c_ptr, rw_ptr, ids_ptr, N, K, stride_am, stride_we, stride_wn, stride_be,
+                     stride_cm, SLOTS: tl.constexpr, SLOTS_P2: tl.constexpr, A_ROW_DIV: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, MUL_ROUTED: tl.constexpr, ACT: tl.constexpr, HALVES: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """BLOCK_N columns of output row r = program_id(0). ACT < 0: the sum over its SLOTS pairs
+    p = r * SLOTS + j of a[p // A_ROW_DIV] @ w[e_p]^T (+ b[e_p]) (* rw[p]), e_p = ids[p], each
+    term rounded to c's dtype. ACT >= 0 (one slot): the activation of those columns, of the
+    (gate rows n, up rows N + n) when HALVES is 2.
+
+    A program loads the weight rows of all its pairs (and both halves) as one [SLOTS_P2, HALVES *
+    BLOCK_N, BLOCK_K] tile: a loop over the pairs, one load after the other, left a program a
+    few KB in flight and ran at a third of the copy rate."""
+    pdl_wait(PDL)
+    row = tl.program_id(0)
+    r = tl.arange(0, HALVES * BLOCK_N)  # (gate, up) rows interleaved, column by column
+    rn = tl.program_id(1) * BLOCK_N + r // HALVES
+    w_row = (rn + (r % HALVES) * N).to(tl.int64)
+    j = tl.arange(0, SLOTS_P2)
+    j_ok = j < SLOTS
+    pair = row * SLOTS + j
+    expert = tl.load(ids_ptr + pair, mask=j_ok, other=0).to(tl.int64)
+    a_rows = a_ptr + (pair // A_ROW_DIV).to(tl.int64) * stride_am
+    w_rows = w_ptr + expert[:, None] * stride_we + w_row[None, :] * stride_wn
+    ok = j_ok[:, None] & (rn < N)[None, :]
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([SLOTS_P2, HALVES * BLOCK_N, BLOCK_K // CHUNK], tl.float32)
+    for k in range(0, K, BLOCK_K):
+        kk = k + rk
+        k_ok = kk < K
+        x = tl.load(a_rows[:, None] + kk[None, :], mask=j_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_rows[:, :, None] + kk[None, None, :], mask=ok[:, :, None] & k_ok[None, None, :], other=0.0)
+        p = w.to(tl.float32) * x[:, None, :]
+        if CHUNK > 1:  # (`kernels.gemv._gemv_products`: a run of keys summed before the accumulator)
+            p = tl.sum(tl.reshape(p, [SLOTS_P2, HALVES * BLOCK_N, BLOCK_K // CHUNK, CHUNK]), 3)
+        acc += p
+    v = tl.sum(acc, 2)
+    if HAS_BIAS:
+        v += tl.load(b_ptr + expert[:, None] * stride_be + w_row[None, :], mask=ok, other=0.0).to(tl.float32)
+    if MUL_ROUTED:
+        v *= tl.load(rw_ptr + pair, mask=j_ok, other=0.0).to(tl.float32)[:, None]
+    out_ty = c_ptr.dtype.element_ty
+    v = v.to(out_ty).to(tl.float32)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if ACT >= 0:
+        v = tl.reshape(v, [HALVES * BLOCK_N])
+        if HALVES == 2:
+            gate, up = tl.split(tl.reshape(v, [BLOCK_N, 2]))
+        else:
+            gate, up = v, v
+        y = apply_act(gate, up, 0.0, 0.0, ACT, HALVES == 2)
+    else:
+        y = tl.sum(v, 0)
+    tl.store(c_ptr + row.to(tl.int64) * stride_cm + cols, y.to(out_ty), mask=cols < N)
+
+
+# A program's weight tile, in elements (32 KB of bf16). One token's experts on one H200
+# (`kernels.bench.moe --gemv-sweep`: tiles of 4K to 32K elements on 2, 4 or 8 warps, one launch
+# at a time): this on 4 warps was within 4% of the best of either launch at each of the four
+# shapes, and the tiles differed by little more (35B-A3B: 25-31 us).
+TILE_ELEMENTS = 16384
+
+
+def moe_gemv_config(k: int, slots: int, halves: int, elem_bytes: int) -> dict:
+    """Tiles for a weight of K columns whose program sums `slots` pairs of `halves` row sets: K
+    steps of up to 2,048 (runs of 16 keys summed first for 16-bit weights, `kernels.gemv`), and
+    as many columns as keep the tile at TILE_ELEMENTS; fp32 weights (tests) short steps."""
+    block_k = min(2048 if elem_bytes <= 2 else 256, max(16, triton.next_power_of_2(k)))
+    rows = max(1, TILE_ELEMENTS // (triton.next_power_of_2(slots) * block_k))
+    return {"BLOCK_N": max(1, rows // halves), "BLOCK_K": block_k, "num_warps": 4,
+            "CHUNK": 16 if elem_bytes <= 2 else 1}
+
+
+def _launch(a, w, b, ids, out, routed, slots: int, a_row_div: int, n: int, act: tuple[int, bool] | None,
+            config: dict | None) -> None:
+    k = w.shape[2]
+    code, gated = act if act is not None else (-1, False)
+    halves = 2 if gated else 1
+    cfg = config or moe_gemv_config(k, slots, halves, w.element_size())
+    chunk = check_chunk(cfg)
+    grid = (out.shape[0], triton.cdiv(n, cfg["BLOCK_N"]))
+    _moe_gemv_kernel[grid](
+        a, w, b if b is not None else w, out, routed if routed is not None else out, ids, n, k, a.stride(0),
+        w.stride(0), w.stride(1), b.stride(0) if b is not None else 0, out.stride(0), SLOTS=slots,
+        SLOTS_P2=triton.next_power_of_2(slots), A_ROW_DIV=a_row_div, HAS_BIAS=b is not None,
+        MUL_ROUTED=routed is not None, ACT=code, HALVES=halves, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        CHUNK=chunk, num_warps=cfg["num_warps"], num_stages=1, **pdl_args(a))
+
+
+def takes(tokens: int, intermediate: int) -> bool:
+    """Whether a batch of `tokens` through experts of `intermediate` columns runs here."""
+    return tokens <= GEMV_MAX_TOKENS and intermediate <= GEMV_MAX_INTERMEDIATE
+
+
+def experts_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor, act_and_mul, act: tuple[int, bool] | None, b13: torch.Tensor | None,
+                 b2: torch.Tensor | None, weight_input: bool, configs: tuple[dict, dict] | None = None) -> torch.Tensor:
+    """`kernels.fused_moe.fused_experts` (its checks done) for a few tokens: each pair's gate/up
+    GEMV with the activation `act` (`kernels.activation.fusable`'s (ACT, GATED)) in its epilogue,
+    or without one the raw product and `act_and_mul` after it; then each token's down GEMVs summed
+    over its k pairs. `configs`: the two launches' tiles (default `moe_gemv_config`)."""
+    t, k = topk_ids.shape
+    inter, h = w2.shape[2], w2.shape[1]
+    ids = topk_ids.reshape(-1).contiguous()
+    routed = topk_weights.reshape(-1).contiguous()
+    first, second = configs or (None, None)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    if act is not None:
+        gate_up = torch.empty((t * k, inter), dtype=x.dtype, device=x.device)
+        _launch(x, w13, b13, ids, gate_up, routed if weight_input else None, 1, k, inter, act, first)
+        y = gate_up
+    else:
+        gate_up = torch.empty((t * k, w13.shape[1]), dtype=x.dtype, device=x.device)
+        _launch(x, w13, b13, ids, gate_up, routed if weight_input else None, 1, k, w13.shape[1], None, first)
+        y = act_and_mul(gate_up)
+    out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+    _launch(y, w2, b2, ids, out, None if weight_input else routed, k, 1, h, None, second)
+    return out
