@@ -5,8 +5,9 @@ At a decode step of one or a few tokens the grouped GEMMs of `kernels.fused_moe`
 launch beyond one token) and a launch that sums each token's k rows. Here each program of the
 first launch owns BLOCK_N columns of one pair's gate and up rows (the expert read from the
 router's ids) and writes the activation; each program of the second owns BLOCK_N columns of one
-token's output and walks that token's k pairs itself, so the sum needs no launch of its own. The
-products are `kernels.gemv`'s: each run of CHUNK keys summed in registers before the accumulator.
+token's output and loads them for all of that token's k pairs at once, summing them itself, so
+the sum needs no launch of its own. The products are `kernels.gemv`'s: each run of CHUNK keys
+summed in registers before the accumulator.
 
 Numbers as the grouped path's: the activation reads its inputs rounded to the output dtype, and
 each pair's down product (times its router weight) is rounded to it before the fp32 sum over the

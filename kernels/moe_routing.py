@@ -59,8 +59,9 @@ def _topk_softmax_kernel(logits_ptr, weights_ptr, ids_ptr, n_experts, stride_t,
     row = x
     top = tl.zeros([], tl.float32)
     for j in tl.static_range(K):
-        # One (value, index) reduction a pick, the lowest id among equal logits (a max, then a min
-        # over the ids equal to it, were two: 3.4 us a layer at Qwen3.6-35B-A3B's 256 experts).
+        # One (value, index) reduction a pick, the lowest id among equal logits, where a max and
+        # then a min over the ids equal to it were two (on one H200 the Qwen3.6-35B-A3B and
+        # gpt-oss-120b batch-1 steps moved by 0.01-0.02 ms with this and one warp).
         m, i = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
         i = tl.minimum(i, n_experts - 1)  # (a row of NaNs must still name an expert that exists)
         if j == 0:
