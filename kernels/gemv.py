@@ -29,6 +29,7 @@ import triton.language as tl
 
 from kernels.fp8 import check_fp8_weight, dequantize_fp8_ref
 from kernels.gated_rmsnorm import GatedRMSNorm, gated_norm_values
+from kernels.mamba_conv import ConvStep, conv_step
 from kernels.paged_attention import _interpreter_bf16
 from kernels.pdl import pdl_args, pdl_wait
 
@@ -43,8 +44,9 @@ SCALE_NONE, SCALE_ROW, SCALE_BLOCK = tl.constexpr(0), tl.constexpr(1), tl.conste
 @triton.jit
 def _gemv_x(x_ptr, z_ptr, nw_ptr, s_row, k, K, BK_Q, eps, SCALE: tl.constexpr, NORM: tl.constexpr,
             GROUP: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr,
-            BLOCK_K: tl.constexpr):
-    """x[k : k + BLOCK_K] in fp32, through the gated norm (NORM) and times its block scales."""
+            GATE: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x[k : k + BLOCK_K] in fp32, through the gated norm (NORM) or times sigmoid(z) (GATE), and
+    times its block scales."""
     kk = k + tl.arange(0, BLOCK_K)
     k_ok = kk < K
     if NORM:  # the gated RMSNorm of x: a K step holds whole groups (GROUP divides BLOCK_K)
@@ -56,7 +58,12 @@ def _gemv_x(x_ptr, z_ptr, nw_ptr, s_row, k, K, BK_Q, eps, SCALE: tl.constexpr, N
                               NORM_BEFORE_GATE, ROUND_BEFORE_WEIGHT, x_ptr.dtype.element_ty)
         x = tl.reshape(x, [BLOCK_K]).to(tl.float32)
     else:
-        x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + kk, mask=k_ok, other=0.0)
+        if GATE:  # torch's x * torch.sigmoid(z): the sigmoid rounded to x's dtype, then the product
+            z = tl.load(z_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+            s = (1.0 / (1.0 + tl.exp(-z))).to(x_ptr.dtype.element_ty)
+            x = (x.to(tl.float32) * s.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        x = x.to(tl.float32)
     if SCALE == SCALE_BLOCK:
         x *= tl.load(s_row + kk // BK_Q, mask=k_ok, other=0.0)
     return x
@@ -84,9 +91,11 @@ def check_chunk(cfg: dict) -> int:
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, s_ptr, z_ptr, nw_ptr, eps, N, K, stride_wn, stride_sn, BN_Q, BK_Q,
+                 cw_ptr, cb_ptr, cs_ptr, c_init_ptr, c_write_ptr, C0, CD, stride_cw, cs_page, cs_row,
                  HAS_BIAS: tl.constexpr, SCALE: tl.constexpr, NORM: tl.constexpr, GROUP: tl.constexpr,
-                 NORM_BEFORE_GATE: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+                 NORM_BEFORE_GATE: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr, GATE: tl.constexpr, CONV: tl.constexpr,
+                 CONV_K: tl.constexpr, CONV_BIAS: tl.constexpr, CONV_SILU: tl.constexpr, CONV_R: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -102,17 +111,27 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, s_ptr, z_ptr, nw_ptr, eps, N, K, st
     # along K only, and scale x rather than the wider weight tile.
     s_row = s_ptr + (pid * BLOCK_N // BN_Q) * stride_sn
     acc = _gemv_products(w, _gemv_x(x_ptr, z_ptr, nw_ptr, s_row, 0, K, BK_Q, eps, SCALE, NORM, GROUP,
-                                    NORM_BEFORE_GATE, ROUND_BEFORE_WEIGHT, BLOCK_K), BLOCK_N, BLOCK_K, CHUNK)
+                                    NORM_BEFORE_GATE, ROUND_BEFORE_WEIGHT, GATE, BLOCK_K), BLOCK_N, BLOCK_K, CHUNK)
     for k in range(BLOCK_K, K, BLOCK_K):
         kk = k + rk
         w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & (kk < K)[None, :], other=0.0)
         acc += _gemv_products(w, _gemv_x(x_ptr, z_ptr, nw_ptr, s_row, k, K, BK_Q, eps, SCALE, NORM, GROUP,
-                                         NORM_BEFORE_GATE, ROUND_BEFORE_WEIGHT, BLOCK_K), BLOCK_N, BLOCK_K, CHUNK)
+                                         NORM_BEFORE_GATE, ROUND_BEFORE_WEIGHT, GATE, BLOCK_K), BLOCK_N, BLOCK_K,
+                              CHUNK)
     y = tl.sum(acc, 1)
     if SCALE == SCALE_ROW:
         y *= tl.load(s_ptr + rn, mask=n_ok, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+    if CONV:  # columns [C0, C0 + CD) through a decode step of the causal conv, from the product as stored
+        d = rn - C0
+        dm = n_ok & (d >= 0) & (d < CD)
+        d = tl.where(dm, d, 0)
+        src = tl.load(c_init_ptr).to(tl.int64)
+        dst = tl.load(c_write_ptr).to(tl.int64)
+        c = conv_step(y.to(y_ptr.dtype.element_ty), d, dm, cw_ptr, cb_ptr, cs_ptr, src, dst, stride_cw, cs_page,
+                      cs_row, CONV_K, CONV_BIAS, CONV_SILU, CONV_R)
+        y = tl.where(dm, c, y)
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -241,20 +260,62 @@ def _check_norm(x: torch.Tensor, norm: GatedRMSNorm) -> None:
         raise ValueError(f"the norm's weight must be a contiguous [{k}], got {tuple(norm.weight.shape)}")
 
 
+def _check_gate(x: torch.Tensor, gate: torch.Tensor, norm: GatedRMSNorm | None) -> None:
+    if norm is not None:
+        raise ValueError("gemv takes a gated norm or a sigmoid gate, not both")
+    if tuple(gate.shape) != tuple(x.shape) or gate.dtype != x.dtype or gate.stride(-1) != 1:
+        raise ValueError(f"the gate must be a {tuple(x.shape)} {x.dtype} row with unit column stride, got "
+                         f"{tuple(gate.shape)} {gate.dtype}")
+
+
+def _conv_args(conv: ConvStep | None, x: torch.Tensor) -> dict:
+    """The kernel's conv arguments (placeholders without one)."""
+    if conv is None:
+        return dict(cw_ptr=x, cb_ptr=x, cs_ptr=x, c_init_ptr=x, c_write_ptr=x, C0=0, CD=0, stride_cw=0, cs_page=0,
+                    cs_row=0, CONV=False, CONV_K=2, CONV_BIAS=False, CONV_SILU=False, CONV_R=1)
+    k = conv.weight.shape[1]
+    return dict(cw_ptr=conv.weight, cb_ptr=conv.bias if conv.bias is not None else conv.weight, cs_ptr=conv.state,
+                c_init_ptr=conv.init_page, c_write_ptr=conv.write_page, C0=conv.start, CD=conv.channels,
+                stride_cw=conv.weight.stride(0), cs_page=conv.state.stride(0), cs_row=conv.state.stride(1),
+                CONV=True, CONV_K=k, CONV_BIAS=conv.bias is not None, CONV_SILU=conv.activation is not None,
+                CONV_R=triton.next_power_of_2(k - 1))
+
+
+def _check_conv(conv: ConvStep, n: int) -> None:
+    conv.check((1, n))
+    d, k = conv.weight.shape
+    if conv.weight.stride(1) != 1 or conv.state.dim() != 3 or tuple(conv.state.shape[1:]) != (k - 1, d) \
+            or conv.state.stride(2) != 1 or (conv.bias is not None and tuple(conv.bias.shape) != (d,)):
+        raise ValueError(f"the conv needs a [D, K] weight with unit last stride, a [pages, K-1, D] state with unit "
+                         f"last stride and a [D] bias or none; got {tuple(conv.weight.shape)}, "
+                         f"{tuple(conv.state.shape)}, {None if conv.bias is None else tuple(conv.bias.shape)}")
+    if conv.activation not in (None, "silu", "swish"):
+        raise ValueError(f"the conv's activation must be silu or none, got {conv.activation!r}")
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          out: torch.Tensor | None = None, config: dict | None = None,
          weight_scale: torch.Tensor | None = None, block_size: tuple[int, int] | None = None,
-         norm: GatedRMSNorm | None = None) -> torch.Tensor:
+         norm: GatedRMSNorm | None = None, conv: ConvStep | None = None,
+         gate: torch.Tensor | None = None) -> torch.Tensor:
     """x[1, K] @ weight[N, K]^T (+ bias[N]) -> `out` or a new [1, N] tensor, x's dtype (fp32 sums).
     An FP8 weight comes with its fp32 `weight_scale`: [N] (one per row) or, with `block_size`
     (bn, bk), [ceil(N/bn), ceil(K/bk)]; it is dequantized in registers (kernels.fp8). A 16-bit x
     with an fp32 weight (and bias) gives fp32, the same numbers as on x.float(). With `norm` the
     product takes norm.apply(x), formed step by step in registers (`fuses_gated_norm`): the same
-    numbers as the norm kernel's output, without its launch and its round trip to memory."""
+    numbers as the norm kernel's output, without its launch and its round trip to memory. With
+    `conv`, its columns leave through a decode step of the causal conv (`ConvStep`: its state read
+    and written at its pages), the numbers of `causal_conv1d_update` on the stored product. With
+    `gate` [1, K], the product of x * torch.sigmoid(gate) (an attention's output gate), each
+    rounded as torch rounds it."""
     _check(x, weight, bias, scale=weight_scale, block=block_size)
     if norm is not None:
         _check_norm(x, norm)
+    if gate is not None:
+        _check_gate(x, gate, norm)
     n, k = weight.shape
+    if conv is not None:
+        _check_conv(conv, n)
     dtype = _out_dtype(x, weight, weight_scale)
     if out is None:
         out = torch.empty((1, n), dtype=dtype, device=x.device)
@@ -263,7 +324,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if n == 0:
         return out
     if k == 0:
-        return out.copy_(bias[None] if bias is not None else torch.zeros_like(out))
+        out.copy_(bias[None] if bias is not None else torch.zeros_like(out))
+        return out if conv is None else conv.apply(out)
     if x.stride(1) != 1:
         x = x.contiguous()
     if weight.stride(1) != 1:
@@ -277,25 +339,34 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
         x, weight, bias if bias is not None else x, out,
         **_scale_args(weight, weight_scale, block_size, cfg["BLOCK_N"]),
-        z_ptr=x if norm is None else norm.z, nw_ptr=x if norm is None else norm.weight,
+        z_ptr=gate if gate is not None else x if norm is None else norm.z, nw_ptr=x if norm is None else norm.weight,
         eps=0.0 if norm is None else float(norm.eps), N=n, K=k, stride_wn=weight.stride(0), HAS_BIAS=bias is not None,
         NORM=norm is not None, GROUP=group, NORM_BEFORE_GATE=norm is not None and bool(norm.norm_before_gate),
-        ROUND_BEFORE_WEIGHT=norm is not None and bool(norm.round_before_weight), BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"], CHUNK=chunk, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        ROUND_BEFORE_WEIGHT=norm is not None and bool(norm.round_before_weight), GATE=gate is not None,
+        **_conv_args(conv, x), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], CHUNK=chunk, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl_args(x))
     return out
 
 
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
              weight_scale: torch.Tensor | None = None, block_size: tuple[int, int] | None = None,
-             norm: GatedRMSNorm | None = None) -> torch.Tensor:
+             norm: GatedRMSNorm | None = None, conv: ConvStep | None = None,
+             gate: torch.Tensor | None = None) -> torch.Tensor:
     """The same product in fp32 (fp64 for fp64 inputs), rounded once to x's dtype (fp32 for a
-    16-bit x with an fp32 weight); with `norm`, of norm.apply(x, ref=True)."""
+    16-bit x with an fp32 weight); with `norm`, of norm.apply(x, ref=True); with `conv`, its
+    columns then through `causal_conv1d_update_ref` (the state updated alike); with `gate`, of
+    x * torch.sigmoid(gate)."""
     _check(x, weight, bias, scale=weight_scale, block=block_size)
     if norm is not None:
         _check_norm(x, norm)
         x = norm.apply(x, ref=True)
-    return _linear_ref(x, weight, bias, weight_scale, block_size)
+    if gate is not None:
+        _check_gate(x, gate, norm)
+        x = x * torch.sigmoid(gate)
+    if conv is not None:
+        _check_conv(conv, weight.shape[0])
+    y = _linear_ref(x, weight, bias, weight_scale, block_size)
+    return y if conv is None else conv.apply(y, ref=True)
 
 
 def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -23,6 +23,8 @@ the writes of the program, and no other program touches that page region).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -30,7 +32,7 @@ import triton.language as tl
 
 from kernels.pdl import pdl_args, pdl_wait
 
-__all__ = ["causal_conv1d_update", "causal_conv1d_update_ref", "causal_conv1d_varlen", "causal_conv1d_varlen_ref"]
+__all__ = ["ConvStep", "conv_step", "causal_conv1d_update", "causal_conv1d_update_ref", "causal_conv1d_varlen", "causal_conv1d_varlen_ref"]
 
 
 @triton.jit
@@ -131,19 +133,14 @@ def _conv_varlen_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, scratch_ptr, state_ptr,
 
 
 @triton.jit
-def _conv_update_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, state_ptr, init_ptr, write_ptr,
-                        D, sx, so, sw, s_page, s_row,
-                        K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait(PDL)
-    s = tl.program_id(0).to(tl.int64)
-    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    dm = d < D
+def conv_step(xv, d, dm, w_ptr, bias_ptr, state_ptr, src, dst, sw, s_page, s_row, K: tl.constexpr,
+              HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One token's conv over channels d (mask dm; xv their inputs as stored): the K-1 rows of page
+    src (zeros when src <= 0) and xv through the taps, fp32 out; the shifted rows and xv written
+    to page dst (skipped when dst <= 0; it may be src). The one formula of the decode kernel and
+    of the GEMV that takes the conv as its epilogue (`ConvStep`)."""
     r = tl.arange(0, BLOCK_R)
     rm = r < K - 1
-    src = tl.load(init_ptr + s).to(tl.int64)
-    dst = tl.load(write_ptr + s).to(tl.int64)
-    xv = tl.load(x_ptr + s * sx + d, mask=dm, other=0.0)
     # the K-1 old state rows, all loaded before anything is stored
     m2 = rm[:, None] & dm[None, :]
     ok = m2 & (tl.zeros(m2.shape, tl.int64) + src > 0)  # (explicit broadcast: the interpreter rejects mask & scalar)
@@ -155,13 +152,66 @@ def _conv_update_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, state_ptr, init_ptr, wr
         acc += tl.load(bias_ptr + d, mask=dm, other=0.0).to(tl.float32)
     if SILU:
         acc = _silu(acc)
-    tl.store(out_ptr + s * so + d, acc.to(out_ptr.dtype.element_ty), mask=dm)
     if dst > 0:
         tl.debug_barrier()  # every read of the page precedes the writes (dst may be src)
         # old row r (r >= 1) becomes row r - 1; x becomes row K-2
         tl.store(state_ptr + dst * s_page + (r[:, None] - 1) * s_row + d[None, :], rows,
                  mask=m2 & (r[:, None] >= 1))
         tl.store(state_ptr + dst * s_page + (K - 2) * s_row + d, xv.to(state_ptr.dtype.element_ty), mask=dm)
+    return acc
+
+
+@triton.jit
+def _conv_update_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, state_ptr, init_ptr, write_ptr,
+                        D, sx, so, sw, s_page, s_row,
+                        K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
+    s = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dm = d < D
+    src = tl.load(init_ptr + s).to(tl.int64)
+    dst = tl.load(write_ptr + s).to(tl.int64)
+    xv = tl.load(x_ptr + s * sx + d, mask=dm, other=0.0)
+    acc = conv_step(xv, d, dm, w_ptr, bias_ptr, state_ptr, src, dst, sw, s_page, s_row, K, HAS_BIAS, SILU, BLOCK_R)
+    tl.store(out_ptr + s * so + d, acc.to(out_ptr.dtype.element_ty), mask=dm)
+
+
+@dataclass(frozen=True)
+class ConvStep:
+    """One decode step of the causal conv over columns [start, start + D) of a product's output,
+    in place (`linear_op(..., conv=)`; the one-row GEMV applies it in its epilogue, saving the
+    conv's launch): weight [D, K], bias [D] or None, the conv state [pages, K-1, D] and each
+    row's init and write page, as `causal_conv1d_update` takes them."""
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    state: torch.Tensor
+    init_page: torch.Tensor
+    write_page: torch.Tensor
+    start: int = 0
+    activation: str | None = "silu"
+
+    @property
+    def channels(self) -> int:
+        return self.weight.shape[0]
+
+    def check(self, y_shape: tuple[int, int]) -> None:
+        """Refuses a conv that does not fit a product of shape `y_shape` [rows, N]."""
+        rows, n = y_shape
+        if not 0 <= self.start <= n - self.channels:
+            raise ValueError(f"conv columns [{self.start}, {self.start + self.channels}) lie outside the product's "
+                             f"{n} columns")
+        if tuple(self.init_page.shape) != (rows,) or tuple(self.write_page.shape) != (rows,):
+            raise ValueError(f"the conv needs an init and a write page per row ({rows}), got "
+                             f"{tuple(self.init_page.shape)} and {tuple(self.write_page.shape)}")
+
+    def apply(self, y: torch.Tensor, ref: bool = False) -> torch.Tensor:
+        """y's conv columns through the step, in place (the kernel, or its reference); returns y."""
+        self.check(tuple(y.shape))
+        x = y[:, self.start:self.start + self.channels]
+        fn = causal_conv1d_update_ref if ref else causal_conv1d_update
+        fn(x, self.weight, self.bias, self.state, self.init_page, self.write_page, self.activation, out=x)
+        return y
 
 
 def _check_common(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,

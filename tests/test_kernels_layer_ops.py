@@ -450,6 +450,92 @@ def test_gemv_refuses_a_norm_it_cannot_take():
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("k,n,start,d,width,bias,cfg", [
+    (64, 40, 0, 24, 4, False, None),  # the Gated DeltaNet's q, k, v first
+    (96, 53, 11, 30, 4, True, {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1}),  # Mamba's x, B, C
+    (128, 37, 5, 32, 3, False, {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "CHUNK": 16}),
+])
+@pytest.mark.parametrize("pages", [(3, 3), (2, 5), (0, 4), (6, 0)], ids=["in-place", "moved", "no-state", "no-write"])
+def test_gemv_applies_a_conv_step(dtype, k, n, start, d, width, bias, cfg, pages):
+    """The input projection's epilogue: gemv(x, W, conv=) against the product followed by the
+    conv's own kernel (the same state written, and in bf16 the same numbers bit for bit), and against
+    float64 through both references; output poisoned, the other pages (NaN) untouched."""
+    from kernels.mamba_conv import ConvStep, causal_conv1d_update
+    x, w = randn(1, k, dtype=dtype), _nan_padded_rows(n, k, 24, dtype)
+    cw, cb = randn(d, width, dtype=dtype), randn(d, dtype=dtype) if bias else None
+    state = torch.full((7, width - 1, d), float("nan"), device=DEVICE, dtype=dtype)
+    state[1:] = randn(6, width - 1, d, dtype=dtype)
+    init, write = (torch.tensor([p], device=DEVICE, dtype=torch.int32) for p in pages)
+    want_state = state.clone()
+    want = gemv(x, w, config=cfg)
+    causal_conv1d_update(want[:, start:start + d], cw, cb, want_state, init, write, out=want[:, start:start + d])
+    ref_state = state.double()
+    ref = gemv_ref(x.double(), w.double(), conv=ConvStep(cw.double(), None if cb is None else cb.double(), ref_state,
+                                                         init, write, start=start))
+    out = torch.full((1, n), float("nan"), device=DEVICE, dtype=dtype)
+    got = gemv(x, w, out=out, config=cfg, conv=ConvStep(cw, cb, state, init, write, start=start))
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(state.nan_to_num(7.0), want_state.nan_to_num(7.0))
+    if dtype == torch.float32:  # the compiler may contract the taps' products otherwise in each kernel
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(got, want)
+    assert rel_err(got, ref) < 2 * TOL[dtype]
+    assert rel_err(state[1:].double(), ref_state[1:]) < TOL[dtype]
+
+
+def test_gemv_refuses_a_conv_it_cannot_take():
+    from kernels.mamba_conv import ConvStep
+    x, w = randn(1, 16, dtype=torch.float32), randn(12, 16, dtype=torch.float32)
+    cw, state = randn(8, 4, dtype=torch.float32), randn(3, 3, 8, dtype=torch.float32)
+    page = torch.ones(1, device=DEVICE, dtype=torch.int32)
+    with pytest.raises(ValueError, match="outside the product"):
+        gemv(x, w, conv=ConvStep(cw, None, state, page, page, start=5))
+    with pytest.raises(ValueError, match="a write page per row"):
+        gemv(x, w, conv=ConvStep(cw, None, state, page.repeat(2), page))
+    with pytest.raises(ValueError, match=r"\[pages, K-1, D\] state"):
+        gemv(x, w, conv=ConvStep(cw, None, state[:, :2], page, page))
+    with pytest.raises(ValueError, match="activation must be silu"):
+        gemv(x, w, conv=ConvStep(cw, None, state, page, page, activation="gelu"))
+
+
+@pytest.mark.parametrize("impl", [gemv, gemv_ref], ids=["triton", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("k,n,cfg", [
+    (256, 40, None),
+    (320, 21, {"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}),  # a partial last step
+    (2304, 24, {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1, "CHUNK": 16}),  # runs of 16
+])
+def test_gemv_applies_a_sigmoid_gate(impl, dtype, k, n, cfg):
+    """An attention's output gate as the product's prologue: gemv(x, W, gate=z) against float64
+    F.linear of x * sigmoid(z), the gate a view inside a wider row (NaN around it), output
+    poisoned; and against the torch product it replaces, within the gate's one rounding."""
+    from workers.ops import linear_op
+    x = randn(1, k, dtype=dtype)
+    wide = torch.full((1, k + 9), float("nan"), device=DEVICE, dtype=dtype)
+    wide[:, 4:4 + k] = 3 * randn(1, k, dtype=dtype)
+    z = wide[:, 4:4 + k]
+    w = _nan_padded_rows(n, k, 24, dtype)
+    ref = torch.nn.functional.linear(x.double() * torch.sigmoid(z.double()), w.double())
+    if impl is gemv:
+        out = torch.full((1, n), float("nan"), device=DEVICE, dtype=dtype)
+        got = gemv(x, w, out=out, config=cfg, gate=z)
+        assert got.data_ptr() == out.data_ptr()
+        check(got, gemv(x * torch.sigmoid(z), w, config=cfg).float(), dtype)
+    else:
+        got = impl(x, w, gate=z)
+    assert got.shape == ref.shape and got.dtype == dtype
+    assert rel_err(got, ref) < 2 * TOL[dtype]
+    # the layers' entry point: the gate in the GEMV at one row, first in torch at more rows
+    two = torch.cat([x, x])
+    check(linear_op(two, w.contiguous(), gate=torch.cat([z, z]))[1:], ref, dtype)
+    with pytest.raises(ValueError, match="gate must be"):
+        gemv(x, w, gate=z[:, :8])
+    with pytest.raises(ValueError, match="not both"):
+        gemv(x, w, gate=z, norm=GatedRMSNorm(z, randn(k, dtype=dtype), 64, 1e-5))
+
+
 def test_gemv_bad_arguments():
     x, w = randn(1, 8, dtype=torch.float32), randn(4, 8, dtype=torch.float32)
     with pytest.raises(ValueError, match="one row"):

@@ -13,7 +13,7 @@ from kernels.fused_moe_mxfp4 import fused_experts_mxfp4, fused_experts_mxfp4_ref
 from kernels.gated_delta import gated_delta_update, gated_delta_update_ref, gated_delta_varlen, gated_delta_varlen_ref
 from kernels.gemv import FP8_SKINNY_MAX_ROWS, SKINNY_MAX_ROWS, fuses_gated_norm, gemv, skinny_gemm
 from kernels.layernorm import rms_norm, rms_norm_ref
-from kernels.mamba_conv import (causal_conv1d_update, causal_conv1d_update_ref, causal_conv1d_varlen,
+from kernels.mamba_conv import (ConvStep, causal_conv1d_update, causal_conv1d_update_ref, causal_conv1d_varlen,
                                 causal_conv1d_varlen_ref)
 from kernels.mamba_ssd import ssd_scan_varlen, ssd_scan_varlen_ref
 from kernels.mamba1_scan import (selective_scan_update, selective_scan_update_ref, selective_scan_varlen,
@@ -90,17 +90,36 @@ def _norm_first(x: torch.Tensor, norm: GatedRMSNorm | None, n: int) -> tuple[tor
     return gated_norm_op(x, norm), None
 
 
+def _gate_first(x: torch.Tensor, gate: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(x, gate) for the product: the gate stays for the one-row GEMV, else applies first (torch)."""
+    if gate is None or (_one_row(x) and gate.stride(-1) == 1):
+        return x, gate
+    return x * torch.sigmoid(gate), None
+
+
 def linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-              out: torch.Tensor | None = None, norm: GatedRMSNorm | None = None) -> torch.Tensor:
+              out: torch.Tensor | None = None, norm: GatedRMSNorm | None = None,
+              conv: ConvStep | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b), into `out` when given (a 2-D x and a contiguous [rows, N] `out`): on a GPU
     one row (a batch-1 decode step) through the Triton GEMV and 2 to 32 rows through the skinny
     GEMM, faster there than cuBLAS (kernels/gemv.py); anything else through cuBLAS. A 16-bit x
     with an fp32 weight (a router kept in fp32) gives fp32, the product of x.float(): at one row
     the GEMV widens x itself (no cast launch). With `norm`, the product of norm.apply(x): the
-    one-row GEMV applies it in registers, saving a launch a layer at batch 1."""
+    one-row GEMV applies it in registers, saving a launch a layer at batch 1. With `conv` (a
+    decode step), the conv's columns of the product leave through it, in place (its state
+    updated): in the one-row GEMV's epilogue, else in the conv's own launch after the product.
+    With `gate` (x's shape), the product of x * sigmoid(gate) (an attention's output gate; in the
+    one-row GEMV's prologue)."""
     x, norm = _norm_first(x, norm, weight.shape[0])
+    x, gate = _gate_first(x, gate)
     if _one_row(x):
-        return gemv(x, weight, bias, out=out, norm=norm)
+        return gemv(x, weight, bias, out=out, norm=norm, conv=conv, gate=gate)
+    y = _product(x, weight, bias, out)
+    return y if conv is None else conv.apply(y, ref=not y.is_cuda)
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             out: torch.Tensor | None) -> torch.Tensor:
     if weight.dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16):
         x = x.float()
     if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= SKINNY_MAX_ROWS:
@@ -114,14 +133,15 @@ def linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
 
 def fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
                   bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                  norm: GatedRMSNorm | None = None) -> torch.Tensor:
+                  norm: GatedRMSNorm | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
     """`linear_op` for an FP8 weight and its scales (kernels.fp8): up to 128 rows on a GPU the
     GEMV / skinny GEMM dequantize in registers, reading the weight at one byte an element; more
     rows (prefill, big decode batches) dequantize the weight to x's dtype for cuBLAS; on CPU the
     torch references."""
     x, norm = _norm_first(x, norm, weight.shape[0])
+    x, gate = _gate_first(x, gate)
     if _one_row(x):
-        return gemv(x, weight, bias, out=out, weight_scale=scale, block_size=block, norm=norm)
+        return gemv(x, weight, bias, out=out, weight_scale=scale, block_size=block, norm=norm, gate=gate)
     if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= FP8_SKINNY_MAX_ROWS:
         return skinny_gemm(x, weight, bias, out=out, weight_scale=scale, block_size=block)
     w = (dequantize_fp8 if x.is_cuda else dequantize_fp8_ref)(weight, scale, block, x.dtype)

@@ -32,13 +32,13 @@ from torch import nn
 from distengine.model_config import DeltaNetShape, StateLayout
 from kernels.gated_delta import GDN_MAX_CHUNK
 from kernels.gated_rmsnorm import GatedRMSNorm
+from kernels.mamba_conv import ConvStep
 from kernels.mamba_ssd import SSD_MAX_CHUNK
 from workers.layers.attention import AttentionMetadata
 from workers.layers.linear import RowParallelLinear
 from workers.layers.mamba import Segmented
 from workers.layers.pooled_state import PooledStateLayer
-from workers.ops import (causal_conv1d_update_op, causal_conv1d_varlen_op, gated_delta_update_op,
-                         gated_delta_varlen_op, linear_op)
+from workers.ops import causal_conv1d_varlen_op, gated_delta_update_op, gated_delta_varlen_op, linear_op
 from workers.parallel import TPGroup
 
 # The host cuts one set of prefill chunks for every state layer (`workers/input_batch.py`, sized
@@ -179,12 +179,12 @@ class GatedDeltaNet(PooledStateLayer):
             raise RuntimeError(f"{self.prefix}: no Gated DeltaNet state bound (allocate the cache before running)")
         T, j = x.shape[0], self.mamba_index
         hk, hv, K, V = self.hk, self.hv, self.K, self.V
-        proj = linear_op(x, self.in_proj.weight)
-        qkv, z, b, a = proj.split([self.conv_dim, hv * V, hv, hv], dim=-1)
         w = self.conv1d.weight.view(self.conv_dim, self.d_conv)
-        if m.decode:
-            qkv = causal_conv1d_update_op(qkv, w, None, self.conv_state, m.init_pages[j], m.write_pages[j])
-        else:
+        # A decode step's conv runs on the projection's q, k and v columns (at one row inside its GEMV).
+        conv = ConvStep(w, None, self.conv_state, m.init_pages[j], m.write_pages[j]) if m.decode else None
+        proj = linear_op(x, self.in_proj.weight, conv=conv)
+        qkv, z, b, a = proj.split([self.conv_dim, hv * V, hv, hv], dim=-1)
+        if not m.decode:
             qkv = causal_conv1d_varlen_op(qkv, w, None, self.conv_state, meta.query_start_loc, m.init_pages[j],
                                           m.chunk_start, m.chunk_seq, m.chunk_pages[j])
         q, k, v = qkv.split([hk * K, hk * K, hv * V], dim=-1)

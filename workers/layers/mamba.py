@@ -22,6 +22,7 @@ from torch import nn
 
 from distengine.model_config import MambaShape, mamba_groups_per_rank
 from kernels.gated_rmsnorm import GatedRMSNorm
+from kernels.mamba_conv import ConvStep
 from workers.layers.attention import AttentionMetadata
 from workers.layers.linear import RowParallelLinear
 from workers.layers.pooled_state import PooledStateLayer
@@ -127,13 +128,20 @@ class MambaMixer2(PooledStateLayer):
         if self.conv_state is None or m is None:
             raise RuntimeError(f"{self.prefix}: no Mamba state bound (allocate the cache before running)")
         T, j = x.shape[0], self.mamba_index
-        proj = linear_op(x, self.in_proj.weight, self.in_proj.bias)
+        w = self.conv1d.weight.view(self.conv_dim, self.K)
+        # A decode step's conv runs on the projection's x, B and C columns (at one row inside its
+        # GEMV), unless the projection is scaled first (Falcon-H1's multipliers).
+        fuse = m.decode and self.proj_scale is None
+        conv = ConvStep(w, self.conv1d.bias, self.conv_state, m.init_pages[j], m.write_pages[j],
+                        start=self.I_local) if fuse else None
+        proj = linear_op(x, self.in_proj.weight, self.in_proj.bias, conv=conv)
         if self.proj_scale is not None:
             proj = proj * self.proj_scale
         z, xbc, dt = proj.split([self.I_local, self.conv_dim, self.H], dim=-1)
-        w = self.conv1d.weight.view(self.conv_dim, self.K)
         if m.decode:
-            xbc = causal_conv1d_update_op(xbc, w, self.conv1d.bias, self.conv_state, m.init_pages[j], m.write_pages[j])
+            if not fuse:
+                xbc = causal_conv1d_update_op(xbc, w, self.conv1d.bias, self.conv_state, m.init_pages[j],
+                                              m.write_pages[j])
         else:
             xbc = causal_conv1d_varlen_op(xbc, w, self.conv1d.bias, self.conv_state, meta.query_start_loc,
                                           m.init_pages[j], m.chunk_start, m.chunk_seq, m.chunk_pages[j])

@@ -114,8 +114,8 @@ class LlamaAttention(nn.Module):
             if self.rope_cache is not None:
                 q, k = rotary_op(q, k, positions, self.rope_cache)
         out = self.attn(q, k, v, meta)
-        if gate:
-            out = out * torch.sigmoid(gate[0])
+        if gate:  # the output gate, applied by o_proj (at one row inside its GEMV)
+            return self.o_proj(out, gate=gate[0])
         return self.o_proj(out)
 
 
