@@ -39,10 +39,23 @@ GEMV_MAX_INTERMEDIATE = 512
 
 
 @triton.jit
+def _pair_products(a_rows, w, kk, j_ok, k_ok, SLOTS_P2: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                   CHUNK: tl.constexpr):
+    """The K step kk of every pair's rows: w [SLOTS_P2, ROWS, BLOCK_K] times its pair's input, each
+    run of CHUNK keys summed (`kernels.gemv._gemv_products`) -> fp32 [SLOTS_P2, ROWS, BLOCK_K // CHUNK]."""
+    x = tl.load(a_rows[:, None] + kk[None, :], mask=j_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+    p = w.to(tl.float32) * x[:, None, :]
+    if CHUNK > 1:
+        p = tl.sum(tl.reshape(p, [SLOTS_P2, ROWS, BLOCK_K // CHUNK, CHUNK]), 3)
+    return p
+
+
+@triton.jit
 def _moe_gemv_kernel(a_ptr, w_ptr, b_ptr, c_ptr, rw_ptr, ids_ptr, N, K, stride_am, stride_we, stride_wn, stride_be,
                      stride_cm, SLOTS: tl.constexpr, SLOTS_P2: tl.constexpr, A_ROW_DIV: tl.constexpr,
                      HAS_BIAS: tl.constexpr, MUL_ROUTED: tl.constexpr, ACT: tl.constexpr, HALVES: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+                     EARLY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
+                     PDL: tl.constexpr):
     """BLOCK_N columns of output row r = program_id(0). ACT < 0: the sum over its SLOTS pairs
     p = r * SLOTS + j of a[p // A_ROW_DIV] @ w[e_p]^T (+ b[e_p]) (* rw[p]), e_p = ids[p], each
     term rounded to c's dtype. ACT >= 0 (one slot): the activation of those columns, of the
@@ -50,8 +63,13 @@ def _moe_gemv_kernel(a_ptr, w_ptr, b_ptr, c_ptr, rw_ptr, ids_ptr, N, K, stride_a
 
     A program loads the weight rows of all its pairs (and both halves) as one [SLOTS_P2, HALVES *
     BLOCK_N, BLOCK_K] tile: a loop over the pairs, one load after the other, left a program a
-    few KB in flight and ran at a third of the copy rate."""
-    pdl_wait(PDL)
+    few KB in flight and ran at a third of the copy rate.
+
+    EARLY (the second launch): the ids and the first K step's weight tile are read before the PDL
+    wait. The ids come from a kernel at least two launches back, done by then: the launch before
+    this one lets it start only after its own wait (`kernels/pdl.py`)."""
+    if not EARLY:
+        pdl_wait(PDL)
     row = tl.program_id(0)
     r = tl.arange(0, HALVES * BLOCK_N)  # (gate, up) rows interleaved, column by column
     rn = tl.program_id(1) * BLOCK_N + r // HALVES
@@ -64,16 +82,16 @@ def _moe_gemv_kernel(a_ptr, w_ptr, b_ptr, c_ptr, rw_ptr, ids_ptr, N, K, stride_a
     w_rows = w_ptr + expert[:, None] * stride_we + w_row[None, :] * stride_wn
     ok = j_ok[:, None] & (rn < N)[None, :]
     rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([SLOTS_P2, HALVES * BLOCK_N, BLOCK_K // CHUNK], tl.float32)
-    for k in range(0, K, BLOCK_K):
+    k_ok = rk < K
+    w = tl.load(w_rows[:, :, None] + rk[None, None, :], mask=ok[:, :, None] & k_ok[None, None, :], other=0.0)
+    if EARLY:
+        pdl_wait(PDL)
+    acc = _pair_products(a_rows, w, rk, j_ok, k_ok, SLOTS_P2, HALVES * BLOCK_N, BLOCK_K, CHUNK)
+    for k in range(BLOCK_K, K, BLOCK_K):
         kk = k + rk
         k_ok = kk < K
-        x = tl.load(a_rows[:, None] + kk[None, :], mask=j_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         w = tl.load(w_rows[:, :, None] + kk[None, None, :], mask=ok[:, :, None] & k_ok[None, None, :], other=0.0)
-        p = w.to(tl.float32) * x[:, None, :]
-        if CHUNK > 1:  # (`kernels.gemv._gemv_products`: a run of keys summed before the accumulator)
-            p = tl.sum(tl.reshape(p, [SLOTS_P2, HALVES * BLOCK_N, BLOCK_K // CHUNK, CHUNK]), 3)
-        acc += p
+        acc += _pair_products(a_rows, w, kk, j_ok, k_ok, SLOTS_P2, HALVES * BLOCK_N, BLOCK_K, CHUNK)
     v = tl.sum(acc, 2)
     if HAS_BIAS:
         v += tl.load(b_ptr + expert[:, None] * stride_be + w_row[None, :], mask=ok, other=0.0).to(tl.float32)
@@ -112,7 +130,7 @@ def moe_gemv_config(k: int, slots: int, halves: int, elem_bytes: int) -> dict:
 
 
 def _launch(a, w, b, ids, out, routed, slots: int, a_row_div: int, n: int, act: tuple[int, bool] | None,
-            config: dict | None) -> None:
+            config: dict | None, early: bool = False) -> None:
     k = w.shape[2]
     code, gated = act if act is not None else (-1, False)
     halves = 2 if gated else 1
@@ -123,7 +141,8 @@ def _launch(a, w, b, ids, out, routed, slots: int, a_row_div: int, n: int, act: 
         a, w, b if b is not None else w, out, routed if routed is not None else out, ids, n, k, a.stride(0),
         w.stride(0), w.stride(1), b.stride(0) if b is not None else 0, out.stride(0), SLOTS=slots,
         SLOTS_P2=triton.next_power_of_2(slots), A_ROW_DIV=a_row_div, HAS_BIAS=b is not None,
-        MUL_ROUTED=routed is not None, ACT=code, HALVES=halves, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        MUL_ROUTED=routed is not None, ACT=code, HALVES=halves, EARLY=early, BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=cfg["BLOCK_K"],
         CHUNK=chunk, num_warps=cfg["num_warps"], num_stages=1, **pdl_args(a))
 
 
@@ -154,5 +173,6 @@ def experts_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weig
         _launch(x, w13, b13, ids, gate_up, routed if weight_input else None, 1, k, w13.shape[1], None, first)
         y = act_and_mul(gate_up)
     out = torch.empty((t, h), dtype=x.dtype, device=x.device)
-    _launch(y, w2, b2, ids, out, None if weight_input else routed, k, 1, h, None, second)
+    # The ids are two launches back here (three without a fused activation): read before the wait.
+    _launch(y, w2, b2, ids, out, None if weight_input else routed, k, 1, h, None, second, early=True)
     return out
