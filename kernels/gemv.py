@@ -27,6 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.activation import apply_act
 from kernels.fp8 import check_fp8_weight, dequantize_fp8_ref
 from kernels.gated_rmsnorm import GatedRMSNorm, gated_norm_values
 from kernels.mamba_conv import ConvStep, conv_step
@@ -44,8 +45,9 @@ SCALE_NONE, SCALE_ROW, SCALE_BLOCK = tl.constexpr(0), tl.constexpr(1), tl.conste
 @triton.jit
 def _gemv_x(x_ptr, z_ptr, nw_ptr, s_row, k, K, BK_Q, eps, SCALE: tl.constexpr, NORM: tl.constexpr,
             GROUP: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr,
-            GATE: tl.constexpr, BLOCK_K: tl.constexpr):
-    """x[k : k + BLOCK_K] in fp32, through the gated norm (NORM) or times sigmoid(z) (GATE), and
+            GATE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x[k : k + BLOCK_K] in fp32, through the gated norm (NORM), times sigmoid(z) (GATE) or as
+    the activation ACT >= 0 of x's gate half (times its up half, K further on, when GATED), and
     times its block scales."""
     kk = k + tl.arange(0, BLOCK_K)
     k_ok = kk < K
@@ -59,6 +61,11 @@ def _gemv_x(x_ptr, z_ptr, nw_ptr, s_row, k, K, BK_Q, eps, SCALE: tl.constexpr, N
         x = tl.reshape(x, [BLOCK_K]).to(tl.float32)
     else:
         x = tl.load(x_ptr + kk, mask=k_ok, other=0.0)
+        if ACT >= 0:  # `kernels.activation`'s kernel: its formula, its output rounded to x's dtype
+            up = x
+            if GATED:
+                up = tl.load(x_ptr + K + kk, mask=k_ok, other=0.0)
+            x = apply_act(x.to(tl.float32), up.to(tl.float32), 0.0, 0.0, ACT, GATED).to(x_ptr.dtype.element_ty)
         if GATE:  # torch's x * torch.sigmoid(z): the sigmoid rounded to x's dtype, then the product
             z = tl.load(z_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
             s = (1.0 / (1.0 + tl.exp(-z))).to(x_ptr.dtype.element_ty)
@@ -93,7 +100,8 @@ def check_chunk(cfg: dict) -> int:
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, s_ptr, z_ptr, nw_ptr, eps, N, K, stride_wn, stride_sn, BN_Q, BK_Q,
                  cw_ptr, cb_ptr, cs_ptr, c_init_ptr, c_write_ptr, C0, CD, stride_cw, cs_page, cs_row,
                  HAS_BIAS: tl.constexpr, SCALE: tl.constexpr, NORM: tl.constexpr, GROUP: tl.constexpr,
-                 NORM_BEFORE_GATE: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr, GATE: tl.constexpr, CONV: tl.constexpr,
+                 NORM_BEFORE_GATE: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr, GATE: tl.constexpr,
+                 ACT: tl.constexpr, GATED: tl.constexpr, CONV: tl.constexpr,
                  CONV_K: tl.constexpr, CONV_BIAS: tl.constexpr, CONV_SILU: tl.constexpr, CONV_R: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
@@ -111,13 +119,14 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, s_ptr, z_ptr, nw_ptr, eps, N, K, st
     # along K only, and scale x rather than the wider weight tile.
     s_row = s_ptr + (pid * BLOCK_N // BN_Q) * stride_sn
     acc = _gemv_products(w, _gemv_x(x_ptr, z_ptr, nw_ptr, s_row, 0, K, BK_Q, eps, SCALE, NORM, GROUP,
-                                    NORM_BEFORE_GATE, ROUND_BEFORE_WEIGHT, GATE, BLOCK_K), BLOCK_N, BLOCK_K, CHUNK)
+                                    NORM_BEFORE_GATE, ROUND_BEFORE_WEIGHT, GATE, ACT, GATED, BLOCK_K), BLOCK_N,
+                         BLOCK_K, CHUNK)
     for k in range(BLOCK_K, K, BLOCK_K):
         kk = k + rk
         w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & (kk < K)[None, :], other=0.0)
         acc += _gemv_products(w, _gemv_x(x_ptr, z_ptr, nw_ptr, s_row, k, K, BK_Q, eps, SCALE, NORM, GROUP,
-                                         NORM_BEFORE_GATE, ROUND_BEFORE_WEIGHT, GATE, BLOCK_K), BLOCK_N, BLOCK_K,
-                              CHUNK)
+                                         NORM_BEFORE_GATE, ROUND_BEFORE_WEIGHT, GATE, ACT, GATED, BLOCK_K),
+                              BLOCK_N, BLOCK_K, CHUNK)
     y = tl.sum(acc, 1)
     if SCALE == SCALE_ROW:
         y *= tl.load(s_ptr + rn, mask=n_ok, other=0.0)
@@ -260,6 +269,17 @@ def _check_norm(x: torch.Tensor, norm: GatedRMSNorm) -> None:
         raise ValueError(f"the norm's weight must be a contiguous [{k}], got {tuple(norm.weight.shape)}")
 
 
+def _act_input(x: torch.Tensor, weight: torch.Tensor, act: tuple[int, bool] | None) -> torch.Tensor:
+    """The [1, K] part of x the checks see: with a gated `act`, x must be [1, 2K] (gate | up)."""
+    if act is None or not act[1]:
+        return x
+    k = weight.shape[-1] if weight.dim() == 2 else -1
+    if x.dim() != 2 or x.shape[-1] != 2 * k:
+        raise ValueError(f"a gated activation's input must be [1, 2K] = [1, {2 * k}] (gate | up), got "
+                         f"{tuple(x.shape)}")
+    return x[:, :k]
+
+
 def _check_gate(x: torch.Tensor, gate: torch.Tensor, norm: GatedRMSNorm | None) -> None:
     if norm is not None:
         raise ValueError("gemv takes a gated norm or a sigmoid gate, not both")
@@ -297,7 +317,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
          out: torch.Tensor | None = None, config: dict | None = None,
          weight_scale: torch.Tensor | None = None, block_size: tuple[int, int] | None = None,
          norm: GatedRMSNorm | None = None, conv: ConvStep | None = None,
-         gate: torch.Tensor | None = None) -> torch.Tensor:
+         gate: torch.Tensor | None = None, act: tuple[int, bool] | None = None) -> torch.Tensor:
     """x[1, K] @ weight[N, K]^T (+ bias[N]) -> `out` or a new [1, N] tensor, x's dtype (fp32 sums).
     An FP8 weight comes with its fp32 `weight_scale`: [N] (one per row) or, with `block_size`
     (bn, bk), [ceil(N/bn), ceil(K/bk)]; it is dequantized in registers (kernels.fp8). A 16-bit x
@@ -307,12 +327,17 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     `conv`, its columns leave through a decode step of the causal conv (`ConvStep`: its state read
     and written at its pages), the numbers of `causal_conv1d_update` on the stored product. With
     `gate` [1, K], the product of x * torch.sigmoid(gate) (an attention's output gate), each
-    rounded as torch rounds it."""
+    rounded as torch rounds it. With `act` (`kernels.activation.fusable`'s (ACT, GATED)), x is
+    [1, 2K] (gate | up; [1, K] ungated) and the product takes its activation, the numbers of the
+    activation's kernel (an MLP's down projection without that launch)."""
+    x_full, x = x, _act_input(x, weight, act)
     _check(x, weight, bias, scale=weight_scale, block=block_size)
     if norm is not None:
         _check_norm(x, norm)
     if gate is not None:
         _check_gate(x, gate, norm)
+    if act is not None and (norm is not None or gate is not None):
+        raise ValueError("gemv takes an activation without a norm or a gate")
     n, k = weight.shape
     if conv is not None:
         _check_conv(conv, n)
@@ -326,8 +351,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if k == 0:
         out.copy_(bias[None] if bias is not None else torch.zeros_like(out))
         return out if conv is None else conv.apply(out)
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    x = x_full if x_full.stride(1) == 1 else x_full.contiguous()
     if weight.stride(1) != 1:
         weight = weight.contiguous()
     cfg = dict(config or gemv_config(n, k, weight.element_size()))
@@ -343,6 +367,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         eps=0.0 if norm is None else float(norm.eps), N=n, K=k, stride_wn=weight.stride(0), HAS_BIAS=bias is not None,
         NORM=norm is not None, GROUP=group, NORM_BEFORE_GATE=norm is not None and bool(norm.norm_before_gate),
         ROUND_BEFORE_WEIGHT=norm is not None and bool(norm.round_before_weight), GATE=gate is not None,
+        ACT=-1 if act is None else act[0], GATED=act is not None and act[1],
         **_conv_args(conv, x), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], CHUNK=chunk, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl_args(x))
     return out
@@ -351,11 +376,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
              weight_scale: torch.Tensor | None = None, block_size: tuple[int, int] | None = None,
              norm: GatedRMSNorm | None = None, conv: ConvStep | None = None,
-             gate: torch.Tensor | None = None) -> torch.Tensor:
+             gate: torch.Tensor | None = None, act_and_mul=None) -> torch.Tensor:
     """The same product in fp32 (fp64 for fp64 inputs), rounded once to x's dtype (fp32 for a
     16-bit x with an fp32 weight); with `norm`, of norm.apply(x, ref=True); with `conv`, its
     columns then through `causal_conv1d_update_ref` (the state updated alike); with `gate`, of
-    x * torch.sigmoid(gate)."""
+    x * torch.sigmoid(gate); with `act_and_mul` (a reference activation), of act_and_mul(x)."""
+    if act_and_mul is not None:
+        x = act_and_mul(x)
     _check(x, weight, bias, scale=weight_scale, block=block_size)
     if norm is not None:
         _check_norm(x, norm)

@@ -56,6 +56,30 @@ def test_fp8_gemv(scheme, dtype, n, k, cfg):
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_fp8_gemv_applies_an_activation(scheme, dtype):
+    """The down projection's activation inside the FP8 GEMV (what `fp8_linear_op` does at one
+    row): x = gate | up through gelu-tanh, then the block- or row-scaled product; against float64
+    and against the activation's launch then the GEMV; and the op at one row and at two."""
+    from kernels.activation import fusable, gelu_tanh_and_mul, gelu_tanh_and_mul_ref
+    from workers.ops import ACTIVATIONS, fp8_linear_op
+    block = SCHEMES[scheme]
+    n, k = 144, 4200
+    q, s, w64 = _weight(n, k, block)
+    x = (2 * torch.randn(1, 2 * k, device=DEVICE)).to(dtype)
+    ref = torch.nn.functional.linear(gelu_tanh_and_mul_ref(x.double()), w64)
+    cfg = {"BLOCK_N": 16, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 1, "CHUNK": 16}
+    out = torch.full((1, n), float("nan"), device=DEVICE, dtype=dtype)
+    got = gemv(x, q, out=out, config=cfg, weight_scale=s, block_size=block, act=fusable(gelu_tanh_and_mul))
+    _check(got, ref, dtype)
+    two_launches = gemv(gelu_tanh_and_mul(x), q, config=cfg, weight_scale=s, block_size=block)
+    assert ((got.double() - two_launches.double()).norm() / ref.norm()).item() < TOL[dtype] / 4
+    op = ACTIVATIONS["gelu_tanh"]
+    _check(fp8_linear_op(x, q, s, block, act=op), ref, dtype)
+    _check(fp8_linear_op(torch.cat([x, x]), q, s, block, act=op)[1:], ref, dtype)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("m,n,k,cfg", [
     (3, 300, 200, None),  # ragged
     (17, 256, 256, {"BLOCK_N": 32, "BLOCK_K": 128, "SWAP": True, "num_warps": 4, "num_stages": 2}),

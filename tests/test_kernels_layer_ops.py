@@ -536,6 +536,46 @@ def test_gemv_applies_a_sigmoid_gate(impl, dtype, k, n, cfg):
         gemv(x, w, gate=z, norm=GatedRMSNorm(z, randn(k, dtype=dtype), 64, 1e-5))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", ["silu", "gelu_tanh", "relu2"])
+@pytest.mark.parametrize("k,n,cfg", [
+    (256, 40, None),
+    (320, 21, {"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}),  # a partial last step
+    (2304, 24, {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1, "CHUNK": 16}),  # runs of 16
+])
+def test_gemv_applies_an_activation(dtype, name, k, n, cfg):
+    """An MLP's down projection with its activation as the prologue: gemv(gate | up, W, act=)
+    against the activation's kernel followed by the product, and against float64; the input a view inside a wider row (NaN beyond it), output poisoned."""
+    from kernels.activation import fusable
+    from workers.ops import linear_op
+    kernel, ref_act = {"silu": (silu_and_mul, silu_and_mul_ref), "gelu_tanh": (gelu_tanh_and_mul, gelu_tanh_and_mul_ref),
+                       "relu2": (relu2, relu2_ref)}[name]
+    code = fusable(kernel)
+    width = 2 * k if code[1] else k
+    wide = torch.full((1, width + 5), float("nan"), device=DEVICE, dtype=dtype)
+    wide[:, :width] = 2 * randn(1, width, dtype=dtype)
+    x = wide[:, :width]
+    w = _nan_padded_rows(n, k, 24, dtype)
+    out = torch.full((1, n), float("nan"), device=DEVICE, dtype=dtype)
+    got = gemv(x, w, out=out, config=cfg, act=code)
+    assert got.data_ptr() == out.data_ptr()
+    # the same formula as the activation's kernel (bit for bit under the interpreter; on a GPU the
+    # compiler may contract the two kernels' fp32 steps otherwise)
+    assert rel_err(got, gemv(kernel(x), w, config=cfg)) < TOL[dtype] / 4
+    ref = torch.nn.functional.linear(ref_act(x.double()), w.double())
+    assert rel_err(got, ref) < 2 * TOL[dtype]
+    assert rel_err(gemv_ref(x, w, act_and_mul=ref_act), ref) < 2 * TOL[dtype]
+    # the layers' entry point: in the GEMV at one row, the activation's own launch at more rows
+    from workers.ops import ACTIVATIONS, UNGATED_ACTIVATIONS
+    op = {**ACTIVATIONS, **UNGATED_ACTIVATIONS}[name]
+    check(linear_op(torch.cat([x, x]), w.contiguous(), act=op)[1:], ref, dtype)
+    if code[1]:
+        with pytest.raises(ValueError, match=r"\[1, 2K\]"):
+            gemv(x[:, :k], w, act=code)
+    with pytest.raises(ValueError, match="without a norm or a gate"):
+        gemv(x, w, act=code, gate=x[:, :k] if code[1] else x)
+
+
 def test_gemv_bad_arguments():
     x, w = randn(1, 8, dtype=torch.float32), randn(4, 8, dtype=torch.float32)
     with pytest.raises(ValueError, match="one row"):

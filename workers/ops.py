@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.activation import (relu2, relu2_ref, gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref,
+from kernels.activation import (fusable, relu2, relu2_ref, gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref,
                                 swiglu_oai_and_mul, swiglu_oai_and_mul_ref)
 from kernels.kv_store import store_kv, store_kv_ref
 from kernels.gated_rmsnorm import GatedRMSNorm
@@ -97,9 +97,23 @@ def _gate_first(x: torch.Tensor, gate: torch.Tensor | None) -> tuple[torch.Tenso
     return x * torch.sigmoid(gate), None
 
 
+def _act_first(x: torch.Tensor, act) -> tuple[torch.Tensor, tuple[int, bool] | None]:
+    """(x, the activation's (ACT, GATED)) for the one-row GEMV to apply, else (act(x), None).
+    One H200, Gemma-3-12B's batch-1 decode step, the activation inside down_proj's GEMV against
+    its own launch (one call): FP8 weights 4.54 against 4.63 ms, bf16 7.19 against 6.73 (its
+    K of 15,360 takes the whole-tile accumulator, `kernels.gemv.gemv_config`); so only the FP8
+    GEMV takes it."""
+    if act is None:
+        return x, None
+    code = fusable(getattr(act, "gpu", act))
+    if code is not None and _one_row(x):
+        return x, code
+    return act(x), None
+
+
 def linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
               out: torch.Tensor | None = None, norm: GatedRMSNorm | None = None,
-              conv: ConvStep | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
+              conv: ConvStep | None = None, gate: torch.Tensor | None = None, act=None) -> torch.Tensor:
     """x W^T (+ b), into `out` when given (a 2-D x and a contiguous [rows, N] `out`): on a GPU
     one row (a batch-1 decode step) through the Triton GEMV and 2 to 32 rows through the skinny
     GEMM, faster there than cuBLAS (kernels/gemv.py); anything else through cuBLAS. A 16-bit x
@@ -109,9 +123,13 @@ def linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     decode step), the conv's columns of the product leave through it, in place (its state
     updated): in the one-row GEMV's epilogue, else in the conv's own launch after the product.
     With `gate` (x's shape), the product of x * sigmoid(gate) (an attention's output gate; in the
-    one-row GEMV's prologue)."""
+    one-row GEMV's prologue). With `act` (`act_and_mul`'s, or `ungated_act`'s), the product of
+    act(x), the activation in its own launch first: inside a 16-bit weight's GEMV it was slower
+    (`fp8_linear_op` takes it in)."""
     x, norm = _norm_first(x, norm, weight.shape[0])
     x, gate = _gate_first(x, gate)
+    if act is not None:
+        x = act(x)
     if _one_row(x):
         return gemv(x, weight, bias, out=out, norm=norm, conv=conv, gate=gate)
     y = _product(x, weight, bias, out)
@@ -133,15 +151,16 @@ def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
                   bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                  norm: GatedRMSNorm | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
+                  norm: GatedRMSNorm | None = None, gate: torch.Tensor | None = None, act=None) -> torch.Tensor:
     """`linear_op` for an FP8 weight and its scales (kernels.fp8): up to 128 rows on a GPU the
     GEMV / skinny GEMM dequantize in registers, reading the weight at one byte an element; more
     rows (prefill, big decode batches) dequantize the weight to x's dtype for cuBLAS; on CPU the
     torch references."""
     x, norm = _norm_first(x, norm, weight.shape[0])
     x, gate = _gate_first(x, gate)
+    x, code = _act_first(x, act)
     if _one_row(x):
-        return gemv(x, weight, bias, out=out, weight_scale=scale, block_size=block, norm=norm, gate=gate)
+        return gemv(x, weight, bias, out=out, weight_scale=scale, block_size=block, norm=norm, gate=gate, act=code)
     if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= FP8_SKINNY_MAX_ROWS:
         return skinny_gemm(x, weight, bias, out=out, weight_scale=scale, block_size=block)
     w = (dequantize_fp8 if x.is_cuda else dequantize_fp8_ref)(weight, scale, block, x.dtype)

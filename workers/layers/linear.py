@@ -129,10 +129,11 @@ class _ParallelLinear(nn.Module):
         return self._shapes(self.out_features)
 
     def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None,
-                norm: GatedRMSNorm | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
+                norm: GatedRMSNorm | None = None, gate: torch.Tensor | None = None, act=None) -> torch.Tensor:
         if self.fp8 is None:
-            return linear_op(x, self.weight, bias, out=out, norm=norm, gate=gate)
-        return fp8_linear_op(x, self.weight, self.fp8_scale, self.fp8.block, bias, out=out, norm=norm, gate=gate)
+            return linear_op(x, self.weight, bias, out=out, norm=norm, gate=gate, act=act)
+        return fp8_linear_op(x, self.weight, self.fp8_scale, self.fp8.block, bias, out=out, norm=norm, gate=gate,
+                             act=act)
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -361,14 +362,15 @@ class RowParallelLinear(_ParallelLinear):
 
     deferred = False
 
-    def forward(self, x: torch.Tensor, norm: GatedRMSNorm | None = None, gate: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: GatedRMSNorm | None = None, gate: torch.Tensor | None = None,
+                act=None) -> torch.Tensor:
         """x W^T, or with `norm` (this rank's columns of a gated RMSNorm) norm.apply(x) W^T, or with
-        `gate` (x's shape) (x * sigmoid(gate)) W^T."""
+        `gate` (x's shape) (x * sigmoid(gate)) W^T, or with `act` (an MLP's gated activation, x its
+        gate | up) act(x) W^T."""
         out = None
         if (self.reduce or self.deferred) and x.dim() == 2:
             out = self.tp.reduce_buffer(x.shape[0], self.out_features, x.dtype, x.device)
-        y = self._matmul(x, None, out=out, norm=norm, gate=gate)
+        y = self._matmul(x, None, out=out, norm=norm, gate=gate, act=act)
         if self.reduce:
             y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y
