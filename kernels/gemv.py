@@ -363,12 +363,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
         x, weight, bias if bias is not None else x, out,
         **_scale_args(weight, weight_scale, block_size, cfg["BLOCK_N"]),
-        z_ptr=gate if gate is not None else x if norm is None else norm.z, nw_ptr=x if norm is None else norm.weight,
+        z_ptr=gate if gate is not None else x if norm is None else norm.z,
+        nw_ptr=x if norm is None else norm.weight,
         eps=0.0 if norm is None else float(norm.eps), N=n, K=k, stride_wn=weight.stride(0), HAS_BIAS=bias is not None,
         NORM=norm is not None, GROUP=group, NORM_BEFORE_GATE=norm is not None and bool(norm.norm_before_gate),
         ROUND_BEFORE_WEIGHT=norm is not None and bool(norm.round_before_weight), GATE=gate is not None,
         ACT=-1 if act is None else act[0], GATED=act is not None and act[1],
-        **_conv_args(conv, x), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], CHUNK=chunk, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **_conv_args(conv, x), BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], CHUNK=chunk,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **pdl_args(x))
     return out
 

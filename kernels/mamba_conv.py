@@ -32,7 +32,8 @@ import triton.language as tl
 
 from kernels.pdl import pdl_args, pdl_wait
 
-__all__ = ["ConvStep", "conv_step", "causal_conv1d_update", "causal_conv1d_update_ref", "causal_conv1d_varlen", "causal_conv1d_varlen_ref"]
+__all__ = ["ConvStep", "conv_step", "causal_conv1d_update", "causal_conv1d_update_ref", "causal_conv1d_varlen",
+           "causal_conv1d_varlen_ref"]
 
 
 @triton.jit
