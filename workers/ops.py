@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.activation import (fusable, relu2, relu2_ref, gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref,
-                                swiglu_oai_and_mul, swiglu_oai_and_mul_ref)
+from kernels.activation import (fusable, relu2, relu2_ref, gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul,
+                                silu_and_mul_ref, swiglu_oai_and_mul, swiglu_oai_and_mul_ref)
 from kernels.kv_store import store_kv, store_kv_ref
 from kernels.gated_rmsnorm import GatedRMSNorm
 from kernels.fp8 import dequantize_fp8, dequantize_fp8_ref

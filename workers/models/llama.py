@@ -59,7 +59,7 @@ class LlamaMLP(nn.Module):
         self.act = act_and_mul(getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", "silu"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x), act=self.act)  # (at one row inside down's GEMV)
+        return self.down_proj(self.gate_up_proj(x), act=self.act)  # (inside an FP8 down_proj's one-row GEMV)
 
 
 class LlamaAttention(nn.Module):

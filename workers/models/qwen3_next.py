@@ -65,7 +65,7 @@ class Qwen3NextMLP(nn.Module):
         self.act = act_and_mul(getattr(config, "hidden_act", None) or "silu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x), act=self.act)  # (at one row inside down's GEMV)
+        return self.down_proj(self.gate_up_proj(x), act=self.act)  # (inside an FP8 down_proj's one-row GEMV)
 
 
 class Qwen3NextSparseMoe(nn.Module):
