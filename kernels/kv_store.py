@@ -11,13 +11,15 @@ multiply back (`kernels.paged_attention`).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels.pdl import pdl_args, pdl_wait
 
-__all__ = ["store_kv", "store_kv_ref", "FP8_DTYPE", "FP8_MAX", "is_fp8", "quantize_fp8_ref"]
+__all__ = ["store_kv", "store_kv_ref", "FP8_DTYPE", "FP8_MAX", "KVWrite", "is_fp8", "quantize_fp8_ref"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value (it has no infinity: larger values would be NaN)
@@ -53,35 +55,77 @@ def _check(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_
     check_scales(kv_cache, k_scale, v_scale)
 
 
+@dataclass(frozen=True)
+class KVWrite:
+    """The new tokens' V and where their K and V go: what `store_kv` takes besides the keys, for
+    a launch that computes the keys (rotary, `kernels.qk_norm_rope`) and stores them itself,
+    which saves the store's own launch."""
+
+    value: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    def check(self, key: torch.Tensor) -> None:
+        _check(key, self.value, self.kv_cache, self.slot_mapping, self.k_scale, self.v_scale)
+        if self.value.stride(-1) != 1 or self.kv_cache.stride(-1) != 1:
+            raise ValueError("the values and the KV cache need a contiguous last dimension")
+
+    def store_ref(self, key: torch.Tensor) -> None:
+        """What the fused launch writes, the torch way (`store_kv_ref`)."""
+        store_kv_ref(key, self.value, self.kv_cache, self.slot_mapping, self.k_scale, self.v_scale)
+
+    def launch_args(self) -> tuple:
+        """The kernels' arguments after their own: value, cache, slots, the two scales (the value
+        where the cache has none), the value's token and head strides, the cache's strides and
+        block size (see `write_kv_part`)."""
+        fp8 = is_fp8(self.kv_cache)
+        c = self.kv_cache
+        return (self.value, c, self.slot_mapping, self.k_scale if fp8 else self.value,
+                self.v_scale if fp8 else self.value, self.value.stride(0), self.value.stride(1),
+                c.stride(0), c.stride(1), c.stride(2), c.stride(3), c.shape[2])
+
+
+@triton.jit
+def _cache_value(x, scale_ptr, FP8: tl.constexpr):
+    """x as the cache holds it: in an fp8 cache x / scale, rounded (div_rn: the same e4m3 values
+    as the torch reference, not an approximation) and saturated to +-448."""
+    if FP8:
+        x = tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr))
+        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    return x
+
+
+@triton.jit
+def write_kv_part(cache_ptr, slot, h, cols, mask, x, scale_ptr, sc_b, sc_kv, sc_s, sc_h, block_size,
+                  KV: tl.constexpr, FP8: tl.constexpr):
+    """Stores x [heads, cols] (KV: 0 for keys, 1 for values) of the token at `slot` (>= 0), heads
+    `h`, columns `cols` of each head. The block index is int64: no overflow past 2^31 elements."""
+    slot = slot.to(tl.int64)
+    dst = (cache_ptr + (slot // block_size) * sc_b + KV * sc_kv + (slot % block_size) * sc_s + h[:, None] * sc_h
+           + cols[None, :])
+    tl.store(dst, _cache_value(x, scale_ptr, FP8).to(cache_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit
 def _store_kv_kernel(key_ptr, value_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
                      num_heads, head_dim, block_size,
-                     sk_t, sk_h, sk_d, sv_t, sv_h, sv_d,
-                     sc_b, sc_kv, sc_s, sc_h, sc_d,
+                     sk_t, sk_h, sv_t, sv_h, sc_b, sc_kv, sc_s, sc_h,
                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
                      PDL: tl.constexpr):
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
+    slot = tl.load(slot_ptr + t)
     if slot < 0:  # prefix-cache hit: the cache already holds this token's KV
         return
-    blk = slot // block_size
-    off = slot % block_size
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     mask = (h[:, None] < num_heads) & (d[None, :] < head_dim)
-    k = tl.load(key_ptr + t * sk_t + h[:, None] * sk_h + d[None, :] * sk_d, mask=mask)
-    v = tl.load(value_ptr + t * sv_t + h[:, None] * sv_h + d[None, :] * sv_d, mask=mask)
-    # blk is int64, so the block offset cannot overflow on caches larger than 2**31 elements.
-    dst = cache_ptr + blk * sc_b + off * sc_s + h[:, None] * sc_h + d[None, :] * sc_d
-    if FP8:
-        # Rounded division (div_rn): the same e4m3 values as the torch reference, not an approximation.
-        k = tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr))
-        v = tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr))
-        k = tl.minimum(tl.maximum(k, -448.0), 448.0)
-        v = tl.minimum(tl.maximum(v, -448.0), 448.0)
-    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + sc_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+    k = tl.load(key_ptr + t * sk_t + h[:, None] * sk_h + d[None, :], mask=mask)
+    v = tl.load(value_ptr + t * sv_t + h[:, None] * sv_h + d[None, :], mask=mask)
+    write_kv_part(cache_ptr, slot, h, d, mask, k, k_scale_ptr, sc_b, sc_kv, sc_s, sc_h, block_size, 0, FP8)
+    write_kv_part(cache_ptr, slot, h, d, mask, v, v_scale_ptr, sc_b, sc_kv, sc_s, sc_h, block_size, 1, FP8)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -99,9 +143,11 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
     block_h = min(triton.next_power_of_2(num_heads), max(1, 2048 // block_d))
     grid = (num_tokens, triton.cdiv(num_heads, block_h))
     fp8 = is_fp8(kv_cache)
+    if key.stride(2) != 1 or value.stride(2) != 1 or kv_cache.stride(4) != 1:
+        raise ValueError("store_kv needs keys, values and the cache with a contiguous last dimension")
     _store_kv_kernel[grid](key, value, kv_cache, slot_mapping, k_scale if fp8 else key, v_scale if fp8 else key,
-                           num_heads, head_dim, kv_cache.shape[2],
-                           *key.stride(), *value.stride(), *kv_cache.stride(),
+                           num_heads, head_dim, kv_cache.shape[2], key.stride(0), key.stride(1),
+                           value.stride(0), value.stride(1), *kv_cache.stride()[:4],
                            BLOCK_H=block_h, BLOCK_D=block_d, FP8=fp8, num_warps=4 if block_h * block_d >= 1024 else 2,
                            **pdl_args(key))
 

@@ -66,18 +66,27 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr, CHUNK: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_HEAD_SCALE: tl.constexpr, NUM_SPLITS: tl.constexpr, FP8: tl.constexpr,
-    DOT_F32: tl.constexpr, F16_DOT: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    DOT_F32: tl.constexpr, F16_DOT: tl.constexpr, PRECISION: tl.constexpr, DECODE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq = _find_seq(query_start_loc_ptr, num_seqs, pid_q, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    q_block = pid_q - (q_start // BLOCK_Q + seq)
-    if q_block * BLOCK_Q >= q_len:
-        return
+    if DECODE:
+        # One token a sequence, token s of sequence s: no lookups before the context length
+        # and the query, whose loads then go out together.
+        seq = pid_q
+        q_start = pid_q
+        q_len = 1
+        q_block = 0
+    else:
+        seq = _find_seq(query_start_loc_ptr, num_seqs, pid_q, BLOCK_Q)
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+        q_block = pid_q - (q_start // BLOCK_Q + seq)
+        if q_block * BLOCK_Q >= q_len:
+            return
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len
 
@@ -347,7 +356,9 @@ def paged_attention(
                       if max_query_len == 1 else 1)
     head_dim_pad = max(16, _next_pow2(head_dim))
     k_cache, v_cache = kv_cache[:, 0], kv_cache[:, 1]
-    num_q_blocks = num_tokens // block_q + num_seqs
+    # A decode batch (one token a sequence) maps program s to sequence s (`DECODE`).
+    decode = max_query_len == 1 and num_tokens == num_seqs
+    num_q_blocks = num_seqs if decode else num_tokens // block_q + num_seqs
     if num_splits > 1:
         part_acc = torch.empty(num_tokens, num_q_heads, num_splits, head_dim_pad, dtype=torch.float32,
                                device=q.device)
@@ -372,7 +383,7 @@ def paged_attention(
         NUM_SPLITS=num_splits, FP8=fp8, DOT_F32=_interpreter_bf16(q),
         F16_DOT=fp8 and q.element_size() == 2 and cfg.get("F16_DOT", False),
         # fp32 models (tests against transformers) get full-precision products, not TF32.
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=cfg["num_warps"],
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DECODE=decode, num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **pdl_args(q),
     )
     if num_splits > 1:

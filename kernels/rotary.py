@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_store import KVWrite, is_fp8, write_kv_part
 from kernels.pdl import pdl_args, pdl_wait
 
 __all__ = ["rotary_embedding", "rotary_embedding_ref", "make_rope_cache", "rope_inv_freq"]
@@ -106,27 +107,48 @@ def make_rope_cache(rotary_dim: int, max_position: int, base: float, rope_scalin
 
 @triton.jit
 def _rotate_heads(x_ptr, t, n_heads, s_t, s_h, h, j, cos, sin, HALF):
+    """Rotates heads h of token t in place; returns the two halves as written."""
     m = (h[:, None] < n_heads) & (j[None, :] < HALF)
     p = x_ptr + t * s_t + h[:, None] * s_h + j[None, :]
     x1 = tl.load(p, mask=m).to(tl.float32)
     x2 = tl.load(p + HALF, mask=m).to(tl.float32)
-    tl.store(p, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=m)
-    tl.store(p + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=m)
+    o1 = (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty)
+    o2 = (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty)
+    tl.store(p, o1, mask=m)
+    tl.store(p + HALF, o2, mask=m)
+    return o1, o2
 
 
 @triton.jit
-def _rope_kernel(q_ptr, k_ptr, pos_ptr, cache_ptr, n_qh, n_kh, HALF,
+def _rope_kernel(q_ptr, k_ptr, pos_ptr, cache_ptr, n_qh, n_kh, HALF, head_dim,
                  sq_t, sq_h, sk_t, sk_h, sc_p,
-                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
+                 v_ptr, kv_ptr, slot_ptr, ks_ptr, vs_ptr, sv_t, sv_h, skv_b, skv_kv, skv_s, skv_h, block_size,
+                 BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, STORE: tl.constexpr,
+                 FP8: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    if STORE:  # loaded first: these loads overlap the chain of the position, cos/sin, q and k
+        slot = tl.load(slot_ptr + t)
+        # (-1: a prefix-cache hit, already cached; the interpreter rejects mask & scalar)
+        hk = (h[:, None] < n_kh) & (tl.zeros([BLOCK_H, 1], tl.int64) + slot >= 0)
+        d = tl.arange(0, BLOCK_D)
+        vm = hk & (d[None, :] < head_dim)
+        v = tl.load(v_ptr + t * sv_t + h[:, None] * sv_h + d[None, :], mask=vm)
+        rm = vm & (d[None, :] >= 2 * HALF)  # the dimensions past the rotary width, stored as they are
+        k3 = tl.load(k_ptr + t * sk_t + h[:, None] * sk_h + d[None, :], mask=rm)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     j = tl.arange(0, BLOCK_HALF)
     cos = tl.load(cache_ptr + pos * sc_p + j, mask=j < HALF).to(tl.float32)[None, :]
     sin = tl.load(cache_ptr + pos * sc_p + HALF + j, mask=j < HALF).to(tl.float32)[None, :]
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     _rotate_heads(q_ptr, t, n_qh, sq_t, sq_h, h, j, cos, sin, HALF)
-    _rotate_heads(k_ptr, t, n_kh, sk_t, sk_h, h, j, cos, sin, HALF)
+    k1, k2 = _rotate_heads(k_ptr, t, n_kh, sk_t, sk_h, h, j, cos, sin, HALF)
+    if STORE:
+        m = hk & (j[None, :] < HALF)
+        write_kv_part(kv_ptr, slot, h, d, vm, v, vs_ptr, skv_b, skv_kv, skv_s, skv_h, block_size, 1, FP8)
+        write_kv_part(kv_ptr, slot, h, d, rm, k3, ks_ptr, skv_b, skv_kv, skv_s, skv_h, block_size, 0, FP8)
+        write_kv_part(kv_ptr, slot, h, j, m, k1, ks_ptr, skv_b, skv_kv, skv_s, skv_h, block_size, 0, FP8)
+        write_kv_part(kv_ptr, slot, h, HALF + j, m, k2, ks_ptr, skv_b, skv_kv, skv_s, skv_h, block_size, 0, FP8)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor | None, positions: torch.Tensor, cache: torch.Tensor) -> int:
@@ -138,15 +160,21 @@ def _check(q: torch.Tensor, k: torch.Tensor | None, positions: torch.Tensor, cac
 
 
 def rotary_embedding(q: torch.Tensor, k: torch.Tensor | None, positions: torch.Tensor,
-                     cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     cos_sin_cache: torch.Tensor,
+                     kv_write: KVWrite | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotates q[T,Hq,D] and k[T,Hk,D] IN PLACE (they may be strided views of the fused qkv
     output, e.g. `qkv[:, :Hq*D].view(T, Hq, D)`: writing through them avoids a copy) and returns
     the same tensors. k may be None (layers that reuse another layer's KV). One program per
-    (token, head tile) so cos/sin are gathered once and reused by every q and k head."""
+    (token, head tile) so cos/sin are gathered once and reused by every q and k head. With
+    `kv_write` (and k), the rotated keys and its values are stored in its cache too."""
     rot = _check(q, k, positions, cos_sin_cache)
     assert q.stride(2) == 1 and (k is None or k.stride(2) == 1), "head_dim must be contiguous"
     assert cos_sin_cache.stride(1) == 1
-    n_tokens, n_qh = q.shape[:2]
+    if kv_write is not None:
+        if k is None:
+            raise ValueError("rotary_embedding: a KV write needs the keys")
+        kv_write.check(k)
+    n_tokens, n_qh, head_dim = q.shape
     n_kh = k.shape[1] if k is not None else 0
     if n_tokens == 0:
         return q, k
@@ -155,15 +183,25 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor | None, positions: torch.T
     block_half = triton.next_power_of_2(half)
     block_h = min(triton.next_power_of_2(max(n_qh, n_kh)), max(1, 1024 // block_half))
     grid = (n_tokens, triton.cdiv(max(n_qh, n_kh), block_h))
-    _rope_kernel[grid](q, kk, positions, cos_sin_cache, n_qh, n_kh, half,
-                       q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), cos_sin_cache.stride(0),
-                       BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=4, **pdl_args(q))
+    store = kv_write.launch_args() if kv_write is not None else (q, q, positions, q, q, 0, 0, 0, 0, 0, 0, 1)
+    _rope_kernel[grid](q, kk, positions, cos_sin_cache, n_qh, n_kh, half, head_dim,
+                       q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), cos_sin_cache.stride(0), *store,
+                       BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_D=triton.next_power_of_2(head_dim),
+                       STORE=kv_write is not None, FP8=kv_write is not None and is_fp8(kv_write.kv_cache),
+                       num_warps=4, **pdl_args(q))
     return q, k
 
 
 def rotary_embedding_ref(q: torch.Tensor, k: torch.Tensor | None, positions: torch.Tensor,
-                         cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         cos_sin_cache: torch.Tensor,
+                         kv_write: KVWrite | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same contract as `rotary_embedding` (in place, returns q, k). fp32 math (fp64 for fp64)."""
+    if kv_write is not None:
+        if k is None:
+            raise ValueError("rotary_embedding: a KV write needs the keys")
+        rotary_embedding_ref(q, k, positions, cos_sin_cache)
+        kv_write.store_ref(k)
+        return q, k
     rot = _check(q, k, positions, cos_sin_cache)
     half = rot // 2
     acc = torch.promote_types(q.dtype, torch.float32)

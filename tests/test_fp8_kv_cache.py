@@ -286,6 +286,7 @@ def test_fp8_cache_equals_a_float_cache_of_the_rounded_values(tmp_path, monkeypa
     float32 sums in another order, so there to 1e-5.)"""
     from safetensors import safe_open
 
+    import kernels.kv_store as kv_store
     from kernels.kv_store import FP8_DTYPE
     import workers.layers.attention as attention
     cls, path, extra = CONFIGS["gemma4"]
@@ -303,16 +304,21 @@ def test_fp8_cache_equals_a_float_cache_of_the_rounded_values(tmp_path, monkeypa
     k_scale, v_scale = 0.05, 0.02
     _save(hf, tmp_path / name, {f"{b}.{w}_scale": torch.tensor(s) for b in blocks
                                 for w, s in (("k", k_scale), ("v", v_scale))})
-    store = attention.store_kv_op
+    # Both ways K and V reach the cache: the layer's own store, and the rotary launch's (`KVWrite`).
+    stores = {(attention, "store_kv_op"): attention.store_kv_op, (kv_store, "store_kv_ref"): kv_store.store_kv_ref}
 
-    def rounded(k, v, cache, slots, **scales):
-        def r(x, s):
-            return ((x.float() / s).clamp(-448, 448).to(FP8_DTYPE).float() * s).to(x.dtype)
-        return store(r(k, k_scale), r(v, v_scale), cache, slots, **scales)
+    def rounding(store):
+        def rounded(k, v, cache, slots, *scales, **kw):
+            def r(x, s):
+                return ((x.float() / s).clamp(-448, 448).to(FP8_DTYPE).float() * s).to(x.dtype)
+            return store(r(k, k_scale), r(v, v_scale), cache, slots, *scales, **kw)
+        return rounded
     prompts = _prompts(2, seed=2)
-    monkeypatch.setattr(attention, "store_kv_op", rounded)
+    for (module, attr), store in stores.items():
+        monkeypatch.setattr(module, attr, rounding(store))
     oracle, _ = _teacher_forced(folder, "auto", prompts)
-    monkeypatch.setattr(attention, "store_kv_op", store)
+    for (module, attr), store in stores.items():
+        monkeypatch.setattr(module, attr, store)
     got, seen = _teacher_forced(folder, "fp8", prompts, _cache_dtypes)
     assert all(s == pytest.approx((k_scale, v_scale)) for _, what, _, s in seen[0] if what == "kv")
     if name == "bamba":

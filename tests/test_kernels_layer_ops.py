@@ -14,7 +14,7 @@ from kernels.activation import (relu2, relu2_ref, gelu_tanh_and_mul, gelu_tanh_a
 from kernels.gated_rmsnorm import GatedRMSNorm, gated_rms_norm, gated_rms_norm_ref
 from kernels.gemv import (NORM_MAX_COLUMNS, NORM_MAX_GROUP, SKINNY_MAX_ROWS, fuses_gated_norm, gemv, gemv_ref,
                           skinny_config, skinny_gemm, skinny_gemm_ref)
-from kernels.kv_store import store_kv, store_kv_ref
+from kernels.kv_store import FP8_DTYPE, KVWrite, store_kv, store_kv_ref
 from kernels.layernorm import rms_norm, rms_norm_ref
 from kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
 from kernels.rotary import make_rope_cache, rope_inv_freq, rotary_embedding, rotary_embedding_ref
@@ -308,18 +308,21 @@ def test_relu2(impl, dtype):
 
 @pytest.mark.parametrize("impl", [qk_norm_rope, qk_norm_rope_ref], ids=["triton", "torch"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("head_dim,n_q,n_k,gemma", [(64, 4, 2, True), (128, 8, 2, False), (256, 16, 8, True),
-                                                    (80, 3, 1, False), (256, 20, 4, False),
-                                                    (512, 8, 1, False)])
-def test_qk_norm_rope(impl, dtype, head_dim, n_q, n_k, gemma):
+@pytest.mark.parametrize("head_dim,rotary_dim,n_q,n_k,gemma", [(64, 64, 4, 2, True), (128, 128, 8, 2, False),
+                                                               (256, 256, 16, 8, True), (80, 80, 3, 1, False),
+                                                               (256, 256, 20, 4, False), (512, 512, 8, 1, False),
+                                                               (256, 64, 8, 2, True), (80, 16, 3, 1, False),
+                                                               (128, 96, 4, 2, False)])
+def test_qk_norm_rope(impl, dtype, head_dim, rotary_dim, n_q, n_k, gemma):
     """Against norm-then-rotate evaluated in float64, in place on views of a fused qkv output; v
-    untouched; several head tiles per token where Hq is large."""
+    untouched; several head tiles per token where Hq is large; partial rotary (Qwen3-Next's
+    quarter of each head; widths that are not powers of two)."""
     num_tokens, max_pos = 9, 2048
     qkv = randn(num_tokens, (n_q + 2 * n_k) * head_dim, dtype=dtype) * 3
     q = qkv[:, : n_q * head_dim].view(num_tokens, n_q, head_dim)
     k = qkv[:, n_q * head_dim: (n_q + n_k) * head_dim].view(num_tokens, n_k, head_dim)
     positions = torch.randint(0, max_pos, (num_tokens,), device=DEVICE)
-    cache = make_rope_cache(head_dim, max_pos, 10000.0, None, torch.float32, DEVICE)
+    cache = make_rope_cache(rotary_dim, max_pos, 10000.0, None, torch.float32, DEVICE)
     qw, kw = randn(head_dim, dtype=dtype), randn(head_dim, dtype=dtype)
     before = qkv.clone()
     q_ref, k_ref = qk_norm_rope_ref(q.double(), k.double(), positions, cache, qw.double(), kw.double(), 1e-6, gemma)
@@ -349,8 +352,82 @@ def test_qk_norm_rope_equals_the_unfused_kernels():
         tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(qa, qn, **tol)
         torch.testing.assert_close(ka, kn, **tol)
-    with pytest.raises(ValueError, match="full rotary"):
-        qk_norm_rope(qa, ka, pos, cache[:, :64], qw, kw, 1e-6)
+    for bad in (cache[:, :63], make_rope_cache(2 * d, 64, 1e4, None, torch.float32, DEVICE)):
+        with pytest.raises(ValueError, match="even rotary width up to the head size"):
+            qk_norm_rope(qa, ka, pos, bad, qw, kw, 1e-6)
+
+
+def _kv_write(n: int, hk: int, d: int, dtype: torch.dtype, cache_dtype: torch.dtype, n_skip: int) -> KVWrite:
+    """Values and a NaN-filled (bytes 0x7F for fp8) strided cache view (a layer of a three-layer
+    group buffer), slots in shuffled blocks with `n_skip` of them -1."""
+    num_blocks, block_size = 8, 4
+    buf = torch.full((num_blocks, 3, 2, block_size, hk, d), float("nan"), device=DEVICE, dtype=torch.float32)
+    buf = buf.to(cache_dtype) if cache_dtype != FP8_DTYPE else torch.full(buf.shape, 0x7F, dtype=torch.uint8,
+                                                                          device=DEVICE).view(FP8_DTYPE)
+    scales = {}
+    if cache_dtype == FP8_DTYPE:
+        scales = dict(k_scale=torch.tensor([0.37], device=DEVICE), v_scale=torch.tensor([1.9], device=DEVICE))
+    return KVWrite(randn(n, hk, d, dtype=dtype), buf[:, 1], _slots(n, num_blocks, block_size, n_skip), **scales)
+
+
+@pytest.mark.parametrize("fused", ["qk_norm_rope", "rotary"])
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                               (torch.bfloat16, FP8_DTYPE), (torch.float16, FP8_DTYPE)], ids=str)
+@pytest.mark.parametrize("head_dim,rotary_dim,n_q,n_k", [(64, 64, 4, 2), (256, 64, 8, 2), (80, 48, 3, 1),
+                                                         (512, 512, 8, 1)])
+def test_rotary_stores_the_kv(fused, impl, dtype, cache_dtype, head_dim, rotary_dim, n_q, n_k):
+    """A rotary launch given a `KVWrite` stores exactly what `store_kv` stores of the keys it
+    wrote and of the values (the same bytes, in an fp8 cache too), skips slots of -1 and writes
+    nothing else; q and k come out as without it, up to the GPU compiler's contraction of a
+    product and a sum into one FMA, which may differ between the two compiled launches (on an
+    H200, fp16 heads of 512: 2 of 41,472 elements a few ulps apart, from the norm's rounding)."""
+    n, max_pos = 9, 512
+    qkv = randn(n, (n_q + n_k) * head_dim, dtype=dtype) * 3
+    cache = make_rope_cache(rotary_dim, max_pos, 10000.0, None, torch.float32, DEVICE)
+    positions = torch.randint(0, max_pos, (n,), device=DEVICE)
+    qw, kw = randn(head_dim, dtype=dtype), randn(head_dim, dtype=dtype)
+    kv = _kv_write(n, n_k, head_dim, dtype, cache_dtype, n_skip=3)
+    expect = KVWrite(kv.value, kv.kv_cache.clone(), kv.slot_mapping, kv.k_scale, kv.v_scale)
+    plain, stored = qkv.clone(), qkv.clone()
+    if fused == "qk_norm_rope":
+        op = qk_norm_rope if impl == "triton" else qk_norm_rope_ref
+        run = lambda t, w: op(t[:, :n_q * head_dim].view(n, n_q, head_dim),  # noqa: E731
+                              t[:, n_q * head_dim:].view(n, n_k, head_dim), positions, cache, qw, kw, 1e-6, True,
+                              kv_write=w)
+    else:
+        op = rotary_embedding if impl == "triton" else rotary_embedding_ref
+        run = lambda t, w: op(t[:, :n_q * head_dim].view(n, n_q, head_dim),  # noqa: E731
+                              t[:, n_q * head_dim:].view(n, n_k, head_dim), positions, cache, kv_write=w)
+    run(plain, None)
+    run(stored, kv)
+    assert rel_err(stored, plain) < TOL[dtype] / 10
+    store = store_kv if impl == "triton" else store_kv_ref
+    store(stored[:, n_q * head_dim:].view(n, n_k, head_dim), expect.value, expect.kv_cache, expect.slot_mapping,
+          expect.k_scale, expect.v_scale)
+    assert torch.equal(kv.kv_cache.view(torch.uint8) if cache_dtype == FP8_DTYPE else kv.kv_cache.nan_to_num(7.0),
+                       expect.kv_cache.view(torch.uint8) if cache_dtype == FP8_DTYPE
+                       else expect.kv_cache.nan_to_num(7.0)), "the cache differs from store_kv's"
+    if cache_dtype != FP8_DTYPE:
+        buf = kv.kv_cache._base if kv.kv_cache._base is not None else kv.kv_cache
+        others = torch.cat([buf[:, 0], buf[:, 2]])
+        assert others.isnan().all(), "wrote outside the layer's view"
+        assert kv.kv_cache.isnan().any(), "every slot written: the skipped ones too"
+
+
+def test_rotary_kv_write_refusals():
+    q, k = randn(3, 2, 64, dtype=torch.bfloat16), randn(3, 1, 64, dtype=torch.bfloat16)
+    cache = make_rope_cache(64, 16, 1e4, None, torch.float32, DEVICE)
+    pos = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    kv = _kv_write(3, 1, 64, torch.bfloat16, torch.bfloat16, n_skip=0)
+    for op in (rotary_embedding, rotary_embedding_ref):
+        with pytest.raises(ValueError, match="needs the keys"):
+            op(q, None, pos, cache, kv_write=kv)
+    fp8 = _kv_write(3, 1, 64, torch.bfloat16, FP8_DTYPE, n_skip=0)
+    no_scales = KVWrite(fp8.value, fp8.kv_cache, fp8.slot_mapping)
+    for op in (rotary_embedding, lambda *a, **kw: qk_norm_rope(*a[:4], k[0, 0], k[0, 0], 1e-6, **kw)):
+        with pytest.raises(ValueError, match="k_scale"):
+            op(q, k, pos, cache, kv_write=no_scales)
 
 
 # ----------------------------------------------------------------------------- single-row GEMV

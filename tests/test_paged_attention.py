@@ -98,6 +98,21 @@ def test_split_kv_decode(splits, window, sinks):
     check(args, **kw)
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_batch_takes_the_decode_path_with_the_same_numbers(splits):
+    """One token a sequence (max_query_len 1) maps program s to sequence s without looking the
+    sequence up; given a bound of 2 the same batch takes the lookup, and the outputs are the same
+    bits (padding sequences of no keys included: output 0)."""
+    args, _ = make_case(DECODES + [(0, 1)], 8, 2, 64, 16, torch.bfloat16)
+    args["seq_lens"][-1] = 0  # a CUDA graph's padding entry
+    kw = {"config": small(4), "num_splits": splits}
+    direct, looked_up = (paged_attention(**dict(args, max_query_len=m), **kw) for m in (1, 2))
+    assert torch.equal(direct, looked_up)
+    assert torch.equal(direct[-1], torch.zeros_like(direct[-1]))
+    check(dict(args, q=args["q"][:-1], query_start_loc=args["query_start_loc"][:-1],
+               seq_lens=args["seq_lens"][:-1]), **kw)
+
+
 @pytest.mark.parametrize("block_size", [12, 44])
 def test_block_size_not_a_power_of_two(block_size):
     """Mamba hybrids' blocks (176 tokens for Bamba-9B): tiles of keys span blocks or parts of one;

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from kernels.kv_store import is_fp8
+from kernels.kv_store import KVWrite, is_fp8
 from workers.ops import paged_attention_op, store_kv_op
 
 if TYPE_CHECKING:
@@ -33,7 +33,8 @@ class Attention(nn.Module):
     """Stores the new tokens' K/V in the layer's slot of the shared buffers, then attends
     through its group's block tables. `kv_cache` and `group_id` are set when the runner
     allocates the cache (`bind_kv_cache`). A layer reading another layer's K/V (the plan's
-    `shared_layers`, bound to its target's view) passes k = v = None and stores nothing. An fp8
+    `shared_layers`, bound to its target's view) passes k = v = None and stores nothing, as does
+    a layer whose rotary launch stored its K/V (`kv_write`). An fp8
     cache keeps K and V as x / scale: the layer's scales come from the checkpoint
     (`set_kv_scales`) or are 1.0, and live on the cache's device as 1-element tensors (a CUDA
     graph reads them in place); a sharing layer reads with its target's."""
@@ -72,9 +73,22 @@ class Attention(nn.Module):
     def unbind(self) -> None:
         self.kv_cache, self.group_id = None, -1
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _bound(self) -> torch.Tensor:
         if self.kv_cache is None:
             raise RuntimeError(f"{self.layer_name}: no KV cache bound (allocate the cache before running)")
+        return self.kv_cache
+
+    def kv_write(self, v: torch.Tensor, meta: AttentionMetadata) -> KVWrite:
+        """This step's K/V store, for the launch that finishes the keys (rotary) to do: the layer
+        is then called with k = v = None."""
+        n = v.shape[0]
+        return KVWrite(v.reshape(n, self.num_kv_heads, self.head_dim), self._bound(), meta.slot_mappings[self.group_id],
+                       self.k_scale, self.v_scale)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """k = v = None: nothing to store (a sharing layer, or the keys' launch stored them)."""
+        self._bound()
         n = q.shape[0]
         q = q.reshape(n, self.num_heads, self.head_dim)
         if k is not None:

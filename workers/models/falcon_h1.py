@@ -49,7 +49,9 @@ class FalconH1Attention(LlamaAttention):
         q = q.view(n, -1, self.head_dim)
         k = k.view(n, -1, self.head_dim)
         if self.rope_cache is not None:
-            q, k = rotary_op(q, k, positions, self.rope_cache)
+            # The rotary launch stores the keys and the values too.
+            rotary_op(q, k, positions, self.rope_cache, kv_write=self.attn.kv_write(v, meta))
+            k = v = None
         out = self.o_proj(self.attn(q, k, v, meta))
         return out * self.out_mult if self.out_mult != 1.0 else out
 

@@ -123,8 +123,9 @@ class Gemma4Attention(nn.Module):
         # v first: with k_eq_v it is the key projection before k's norm and rotary (in place)
         v = rms_norm_op(v.reshape(n, -1, d), self.v_scale, self.eps)
         k = k.view(n, -1, d)
-        q, k = qk_norm_rope_op(q, k, positions, self.rope_cache, self.q_norm.weight, self.k_norm.weight, self.eps)
-        return self.o_proj(self.attn(q, k, v, meta))
+        qk_norm_rope_op(q, k, positions, self.rope_cache, self.q_norm.weight, self.k_norm.weight, self.eps,
+                        kv_write=self.attn.kv_write(v, meta))
+        return self.o_proj(self.attn(q, None, None, meta))
 
 
 class Gemma4Router(nn.Module):

@@ -104,16 +104,20 @@ class LlamaAttention(nn.Module):
         q, k, v, *gate = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(n, -1, self.head_dim)
         k = k.view(n, -1, self.head_dim)
-        if self.qk_norm and self.rope_cache is not None and self.rope_cache.shape[1] == self.head_dim:
-            # One launch, in place on the qkv output (three launches and two copies unfused).
-            q, k = qk_norm_rope_op(q, k, positions, self.rope_cache, self.q_norm.weight, self.k_norm.weight,
-                                   self.q_norm.eps, self.gemma_norm)
+        if self.rope_cache is not None:
+            # The launch that finishes the keys stores them and the values too.
+            kv = self.attn.kv_write(v, meta)
+            if self.qk_norm:
+                # One launch, in place on the qkv output (four launches and two copies unfused).
+                qk_norm_rope_op(q, k, positions, self.rope_cache, self.q_norm.weight, self.k_norm.weight,
+                                self.q_norm.eps, self.gemma_norm, kv_write=kv)
+            else:
+                rotary_op(q, k, positions, self.rope_cache, kv_write=kv)
+            out = self.attn(q, None, None, meta)
         else:
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
-            if self.rope_cache is not None:
-                q, k = rotary_op(q, k, positions, self.rope_cache)
-        out = self.attn(q, k, v, meta)
+            out = self.attn(q, k, v, meta)
         if gate:  # the output gate, applied by o_proj (at one row inside its GEMV)
             return self.o_proj(out, gate=gate[0])
         return self.o_proj(out)

@@ -99,10 +99,13 @@ class Llama4Attention(LlamaAttention):
         q = q.view(n, -1, self.head_dim)
         k = k.view(n, -1, self.head_dim)
         if self.rope_cache is not None:
+            # The launch that finishes the keys stores them and the values too.
+            kv = self.attn.kv_write(v, meta)
             if self.l2_norm:
-                q, k = qk_norm_rope_op(q, k, positions, self.rope_cache, self.unit, self.unit, self.eps)
+                qk_norm_rope_op(q, k, positions, self.rope_cache, self.unit, self.unit, self.eps, kv_write=kv)
             else:
-                q, k = rotary_op(q, k, positions, self.rope_cache)
+                rotary_op(q, k, positions, self.rope_cache, kv_write=kv)
+            k = v = None
         if self.temperature:
             scale = torch.log1p(torch.floor((positions.float() + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
             q = (q * scale[:, None, None]).to(q.dtype)
