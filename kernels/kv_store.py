@@ -19,7 +19,8 @@ import triton.language as tl
 
 from kernels.pdl import pdl_args, pdl_wait
 
-__all__ = ["store_kv", "store_kv_ref", "FP8_DTYPE", "FP8_MAX", "KVWrite", "is_fp8", "quantize_fp8_ref"]
+__all__ = ["store_kv", "store_kv_ref", "FP8_DTYPE", "FP8_MAX", "KVWrite", "is_fp8", "kv_write_launch",
+           "quantize_fp8_ref"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value (it has no infinity: larger values would be NaN)
@@ -67,7 +68,9 @@ class KVWrite:
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
 
-    def check(self, key: torch.Tensor) -> None:
+    def check(self, key: torch.Tensor | None) -> None:
+        if key is None:
+            raise ValueError("a KV write needs the keys (a layer that reads another layer's K/V stores none)")
         _check(key, self.value, self.kv_cache, self.slot_mapping, self.k_scale, self.v_scale)
         if self.value.stride(-1) != 1 or self.kv_cache.stride(-1) != 1:
             raise ValueError("the values and the KV cache need a contiguous last dimension")
@@ -76,15 +79,19 @@ class KVWrite:
         """What the fused launch writes, the torch way (`store_kv_ref`)."""
         store_kv_ref(key, self.value, self.kv_cache, self.slot_mapping, self.k_scale, self.v_scale)
 
-    def launch_args(self) -> tuple:
-        """The kernels' arguments after their own: value, cache, slots, the two scales (the value
-        where the cache has none), the value's token and head strides, the cache's strides and
-        block size (see `write_kv_part`)."""
-        fp8 = is_fp8(self.kv_cache)
-        c = self.kv_cache
-        return (self.value, c, self.slot_mapping, self.k_scale if fp8 else self.value,
-                self.v_scale if fp8 else self.value, self.value.stride(0), self.value.stride(1),
-                c.stride(0), c.stride(1), c.stride(2), c.stride(3), c.shape[2])
+
+def kv_write_launch(kv_write: KVWrite | None, dummy: torch.Tensor, dummy_index: torch.Tensor) -> tuple[tuple, dict]:
+    """What a rotary kernel takes for `kv_write` after its own arguments: the value, cache, slots,
+    the two scales (the value where the cache has none), the value's token and head strides, the
+    cache's strides and block size (see `write_kv_part`), placeholders where there is no write;
+    and its STORE and FP8 flags."""
+    if kv_write is None:
+        return (dummy, dummy, dummy_index, dummy, dummy, 0, 0, 0, 0, 0, 0, 1), {"STORE": False, "FP8": False}
+    fp8 = is_fp8(kv_write.kv_cache)
+    v, c = kv_write.value, kv_write.kv_cache
+    args = (v, c, kv_write.slot_mapping, kv_write.k_scale if fp8 else v, kv_write.v_scale if fp8 else v,
+            v.stride(0), v.stride(1), c.stride(0), c.stride(1), c.stride(2), c.stride(3), c.shape[2])
+    return args, {"STORE": True, "FP8": fp8}
 
 
 @triton.jit

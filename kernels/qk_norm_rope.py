@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_store import KVWrite, is_fp8, write_kv_part
+from kernels.kv_store import KVWrite, kv_write_launch, write_kv_part
 from kernels.layernorm import rms_norm_ref
 from kernels.pdl import pdl_args, pdl_wait
 from kernels.rotary import rotary_embedding_ref
@@ -118,12 +118,11 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
     per_head = 2 * block_half + (block_rest if rest else 0)
     block_h = min(triton.next_power_of_2(max(n_qh, n_kh)), 1 << (max(1, 4096 // per_head).bit_length() - 1))
     grid = (n_tokens, triton.cdiv(max(n_qh, n_kh), block_h))
-    store = kv_write.launch_args() if kv_write is not None else (q, q, positions, q, q, 0, 0, 0, 0, 0, 0, 1)
+    store, flags = kv_write_launch(kv_write, q, positions)
     _qk_norm_rope_kernel[grid](q, k, q_weight, k_weight, positions, cos_sin_cache, n_qh, n_kh,
                                q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
                                float(eps), *store, HALF=half, BLOCK_HALF=block_half, REST=rest, BLOCK_REST=block_rest,
-                               BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(head_dim), GEMMA=gemma,
-                               STORE=kv_write is not None, FP8=kv_write is not None and is_fp8(kv_write.kv_cache),
+                               BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(head_dim), GEMMA=gemma, **flags,
                                num_warps=4, **pdl_args(q))
     return q, k
 

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_store import KVWrite, is_fp8, write_kv_part
+from kernels.kv_store import KVWrite, kv_write_launch, write_kv_part
 from kernels.pdl import pdl_args, pdl_wait
 
 __all__ = ["rotary_embedding", "rotary_embedding_ref", "make_rope_cache", "rope_inv_freq"]
@@ -171,8 +171,6 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor | None, positions: torch.T
     assert q.stride(2) == 1 and (k is None or k.stride(2) == 1), "head_dim must be contiguous"
     assert cos_sin_cache.stride(1) == 1
     if kv_write is not None:
-        if k is None:
-            raise ValueError("rotary_embedding: a KV write needs the keys")
         kv_write.check(k)
     n_tokens, n_qh, head_dim = q.shape
     n_kh = k.shape[1] if k is not None else 0
@@ -183,11 +181,10 @@ def rotary_embedding(q: torch.Tensor, k: torch.Tensor | None, positions: torch.T
     block_half = triton.next_power_of_2(half)
     block_h = min(triton.next_power_of_2(max(n_qh, n_kh)), max(1, 1024 // block_half))
     grid = (n_tokens, triton.cdiv(max(n_qh, n_kh), block_h))
-    store = kv_write.launch_args() if kv_write is not None else (q, q, positions, q, q, 0, 0, 0, 0, 0, 0, 1)
+    store, flags = kv_write_launch(kv_write, q, positions)
     _rope_kernel[grid](q, kk, positions, cos_sin_cache, n_qh, n_kh, half, head_dim,
                        q.stride(0), q.stride(1), kk.stride(0), kk.stride(1), cos_sin_cache.stride(0), *store,
-                       BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_D=triton.next_power_of_2(head_dim),
-                       STORE=kv_write is not None, FP8=kv_write is not None and is_fp8(kv_write.kv_cache),
+                       BLOCK_H=block_h, BLOCK_HALF=block_half, BLOCK_D=triton.next_power_of_2(head_dim), **flags,
                        num_warps=4, **pdl_args(q))
     return q, k
 
@@ -197,8 +194,7 @@ def rotary_embedding_ref(q: torch.Tensor, k: torch.Tensor | None, positions: tor
                          kv_write: KVWrite | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same contract as `rotary_embedding` (in place, returns q, k). fp32 math (fp64 for fp64)."""
     if kv_write is not None:
-        if k is None:
-            raise ValueError("rotary_embedding: a KV write needs the keys")
+        kv_write.check(k)
         rotary_embedding_ref(q, k, positions, cos_sin_cache)
         kv_write.store_ref(k)
         return q, k
