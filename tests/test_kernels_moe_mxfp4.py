@@ -146,12 +146,16 @@ def test_few_tokens_run_as_gemvs_against_a_float64_loop(dtype, t, e, k, h, inter
     assert rel_err(got, oracle(x, w13, w2, weights, ids, b13, b2)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("cfg", [None, {"BLOCK_N": 8, "BLOCK_K": 32, "num_warps": 2},
+                                 {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 2}], ids=["default", "k_steps", "tails"])
 @pytest.mark.parametrize("down", [False, True], ids=["gate_up", "down"])
-def test_gemv_writes_each_output_row_once_and_nothing_else(down):
+def test_gemv_writes_each_output_row_once_and_nothing_else(down, cfg):
     """One GEMV launch into a NaN-poisoned output whose rows are views of wider rows: the gate/up
     launch (a row a pair, the activation of its (gate, up) pairs, each token's row read for its k
     pairs) or the down launch (a row a token, the sum over its k pairs times their routing
-    weights, a bias): each row its value, the columns beside it untouched."""
+    weights, a bias): each row its value, the columns beside it untouched. Tiles: the default's
+    one partial K step (K = 96, BLOCK_K 128); `k_steps` three K steps of 32; `tails` a K step of
+    64, then a partial one, and a last program whose rows run past N (40 rows, 16 a program)."""
     t, e, k, kdim, n = 3, 5, 2, 96, 40
     g = torch.Generator().manual_seed(7)
     a = torch.randn(t * k if down else t, kdim, generator=g).to(DEVICE, torch.bfloat16)
@@ -163,9 +167,9 @@ def test_gemv_writes_each_output_row_once_and_nothing_else(down):
     wide = torch.full((rows, cols + 3), float("nan"), device=DEVICE, dtype=torch.bfloat16)
     out = wide[:, :cols]
     if down:
-        _gemv_mxfp4(a, w, _words(w), b, flat, out, weights.reshape(-1).contiguous(), k, 1)
+        _gemv_mxfp4(a, w, _words(w), b, flat, out, weights.reshape(-1).contiguous(), k, 1, config=cfg)
     else:
-        _gemv_mxfp4(a, w, _words(w), b, flat, out, None, 1, k, ACT)
+        _gemv_mxfp4(a, w, _words(w), b, flat, out, None, 1, k, ACT, config=cfg)
     wf = dequantize_mxfp4(w.blocks, w.scales, torch.float64)
     for r in range(rows):
         if down:
