@@ -20,7 +20,7 @@ import triton.language as tl
 from kernels.pdl import pdl_args, pdl_wait
 
 __all__ = ["store_kv", "store_kv_ref", "FP8_DTYPE", "FP8_MAX", "KVWrite", "is_fp8", "kv_write_launch",
-           "quantize_fp8_ref"]
+           "load_kv_write", "quantize_fp8_ref", "write_kv_part", "write_rotated_keys"]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value (it has no infinity: larger values would be NaN)
@@ -113,6 +113,29 @@ def write_kv_part(cache_ptr, slot, h, cols, mask, x, scale_ptr, sc_b, sc_kv, sc_
     dst = (cache_ptr + (slot // block_size) * sc_b + KV * sc_kv + (slot % block_size) * sc_s + h[:, None] * sc_h
            + cols[None, :])
     tl.store(dst, _cache_value(x, scale_ptr, FP8).to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def load_kv_write(slot_ptr, v_ptr, t, h, n_kv_heads, sv_t, sv_h, head_dim, BLOCK_H: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+    """What a launch that stores token t's K/V reads first, so that these loads overlap its own
+    chain: the slot, the mask of the heads h to store [BLOCK_H, 1] (none for slot -1, a prefix-cache
+    hit already cached), the values' mask and the values [BLOCK_H, BLOCK_D]."""
+    slot = tl.load(slot_ptr + t)
+    # (the interpreter rejects mask & scalar)
+    hk = (h[:, None] < n_kv_heads) & (tl.zeros([BLOCK_H, 1], tl.int64) + slot >= 0)
+    d = tl.arange(0, BLOCK_D)
+    vm = hk & (d[None, :] < head_dim)
+    v = tl.load(v_ptr + t * sv_t + h[:, None] * sv_h + d[None, :], mask=vm)
+    return slot, hk, vm, v
+
+
+@triton.jit
+def write_rotated_keys(cache_ptr, slot, h, j, m, k1, k2, HALF, scale_ptr, sc_b, sc_kv, sc_s, sc_h, block_size,
+                       FP8: tl.constexpr):
+    """Stores the two rotated halves k1, k2 [heads, len(j)] of the keys (mask m): columns j and HALF + j."""
+    write_kv_part(cache_ptr, slot, h, j, m, k1, scale_ptr, sc_b, sc_kv, sc_s, sc_h, block_size, 0, FP8)
+    write_kv_part(cache_ptr, slot, h, HALF + j, m, k2, scale_ptr, sc_b, sc_kv, sc_s, sc_h, block_size, 0, FP8)
 
 
 @triton.jit

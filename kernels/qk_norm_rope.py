@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_store import KVWrite, kv_write_launch, write_kv_part
+from kernels.kv_store import KVWrite, kv_write_launch, load_kv_write, write_kv_part, write_rotated_keys
 from kernels.layernorm import rms_norm_ref
 from kernels.pdl import pdl_args, pdl_wait
 from kernels.rotary import rotary_embedding_ref
@@ -69,12 +69,7 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, pos_ptr, cache_ptr, n_qh,
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     if STORE:  # loaded first: these loads overlap the chain of the position, cos/sin, q and k
-        slot = tl.load(slot_ptr + t)
-        # (-1: a prefix-cache hit, already cached; the interpreter rejects mask & scalar)
-        hk = (h[:, None] < n_kh) & (tl.zeros([BLOCK_H, 1], tl.int64) + slot >= 0)
-        d = tl.arange(0, BLOCK_D)
-        vm = hk & (d[None, :] < 2 * HALF + REST)
-        v = tl.load(v_ptr + t * sv_t + h[:, None] * sv_h + d[None, :], mask=vm)
+        slot, hk, vm, v = load_kv_write(slot_ptr, v_ptr, t, h, n_kh, sv_t, sv_h, 2 * HALF + REST, BLOCK_H, BLOCK_D)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     j = tl.arange(0, BLOCK_HALF)
     r = tl.arange(0, BLOCK_REST)
@@ -83,11 +78,10 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, pos_ptr, cache_ptr, n_qh,
     _norm_rotate(q_ptr, qw_ptr, t, n_qh, sq_t, sq_h, h, j, r, cos, sin, eps, HALF, REST, GEMMA)
     k1, k2, k3 = _norm_rotate(k_ptr, kw_ptr, t, n_kh, sk_t, sk_h, h, j, r, cos, sin, eps, HALF, REST, GEMMA)
     if STORE:
-        write_kv_part(kv_ptr, slot, h, d, vm, v, vs_ptr, skv_b, skv_kv, skv_s, skv_h, block_size, 1, FP8)
-        write_kv_part(kv_ptr, slot, h, j, hk & (j[None, :] < HALF), k1, ks_ptr, skv_b, skv_kv, skv_s, skv_h,
-                      block_size, 0, FP8)
-        write_kv_part(kv_ptr, slot, h, HALF + j, hk & (j[None, :] < HALF), k2, ks_ptr, skv_b, skv_kv, skv_s, skv_h,
-                      block_size, 0, FP8)
+        write_kv_part(kv_ptr, slot, h, tl.arange(0, BLOCK_D), vm, v, vs_ptr, skv_b, skv_kv, skv_s, skv_h, block_size,
+                      1, FP8)
+        write_rotated_keys(kv_ptr, slot, h, j, hk & (j[None, :] < HALF), k1, k2, HALF, ks_ptr, skv_b, skv_kv, skv_s,
+                           skv_h, block_size, FP8)
         write_kv_part(kv_ptr, slot, h, 2 * HALF + r, hk & (r[None, :] < REST), k3, ks_ptr, skv_b, skv_kv, skv_s,
                       skv_h, block_size, 0, FP8)
 

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_store import KVWrite, kv_write_launch, write_kv_part
+from kernels.kv_store import KVWrite, kv_write_launch, load_kv_write, write_kv_part, write_rotated_keys
 from kernels.pdl import pdl_args, pdl_wait
 
 __all__ = ["rotary_embedding", "rotary_embedding_ref", "make_rope_cache", "rope_inv_freq"]
@@ -129,12 +129,8 @@ def _rope_kernel(q_ptr, k_ptr, pos_ptr, cache_ptr, n_qh, n_kh, HALF, head_dim,
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     if STORE:  # loaded first: these loads overlap the chain of the position, cos/sin, q and k
-        slot = tl.load(slot_ptr + t)
-        # (-1: a prefix-cache hit, already cached; the interpreter rejects mask & scalar)
-        hk = (h[:, None] < n_kh) & (tl.zeros([BLOCK_H, 1], tl.int64) + slot >= 0)
+        slot, hk, vm, v = load_kv_write(slot_ptr, v_ptr, t, h, n_kh, sv_t, sv_h, head_dim, BLOCK_H, BLOCK_D)
         d = tl.arange(0, BLOCK_D)
-        vm = hk & (d[None, :] < head_dim)
-        v = tl.load(v_ptr + t * sv_t + h[:, None] * sv_h + d[None, :], mask=vm)
         rm = vm & (d[None, :] >= 2 * HALF)  # the dimensions past the rotary width, stored as they are
         k3 = tl.load(k_ptr + t * sk_t + h[:, None] * sk_h + d[None, :], mask=rm)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -147,8 +143,7 @@ def _rope_kernel(q_ptr, k_ptr, pos_ptr, cache_ptr, n_qh, n_kh, HALF, head_dim,
         m = hk & (j[None, :] < HALF)
         write_kv_part(kv_ptr, slot, h, d, vm, v, vs_ptr, skv_b, skv_kv, skv_s, skv_h, block_size, 1, FP8)
         write_kv_part(kv_ptr, slot, h, d, rm, k3, ks_ptr, skv_b, skv_kv, skv_s, skv_h, block_size, 0, FP8)
-        write_kv_part(kv_ptr, slot, h, j, m, k1, ks_ptr, skv_b, skv_kv, skv_s, skv_h, block_size, 0, FP8)
-        write_kv_part(kv_ptr, slot, h, HALF + j, m, k2, ks_ptr, skv_b, skv_kv, skv_s, skv_h, block_size, 0, FP8)
+        write_rotated_keys(kv_ptr, slot, h, j, m, k1, k2, HALF, ks_ptr, skv_b, skv_kv, skv_s, skv_h, block_size, FP8)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor | None, positions: torch.Tensor, cache: torch.Tensor) -> int:
