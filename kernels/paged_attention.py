@@ -266,10 +266,11 @@ def _tile_n(block_size: int, tile: int) -> int:
 
 
 def _tiles(max_query_len: int, head_dim: int, gqa: int, block_size: int, sliding_window: int = 0,
-           max_seq_len: int = 0, fp8: bool = False) -> dict:
+           max_seq_len: int = 0, fp8: bool = False, fills_gpu: bool = True) -> dict:
     """Tile shapes and launch options, the fastest of sweeps on an H200 (bf16, block 16; D=128 with
     Hq=32, Hkv=8: `distengine bench kernels --sweep`; D=256 with Hq=16, Hkv=8, Gemma-3-12B's
-    shape: kernels/bench/sweep_decode_attention.py)."""
+    shape: kernels/bench/sweep_decode_attention.py). `fills_gpu`: a decode batch with a program
+    for every SM without splits (`choose_num_splits`)."""
     block_m = max(16, _next_pow2(gqa))
     if head_dim > 256:
         # Gemma 4's full layers (D=512, Hq=32, Hkv=4; `kernels/bench/sweep_decode_attention.py
@@ -280,11 +281,21 @@ def _tiles(max_query_len: int, head_dim: int, gqa: int, block_size: int, sliding
         if max_query_len == 1:
             return {"BLOCK_M": block_m, "TILE_N": 32, "num_warps": 4, "num_stages": 2}
         return {"BLOCK_M": max(block_m, 64), "TILE_N": 32, "num_warps": 8, "num_stages": 2}
+    if max_query_len == 1 and fp8 and head_dim in (128, 256) and gqa <= 4 and fills_gpu:
+        # An e4m3 cache is bound by its conversion in registers, not by its bytes: on 4 warps its
+        # converted tiles filled 255 registers and spilled (2 programs an SM, 12% occupancy,
+        # ncu). 1-warp programs on 32-key tiles convert more tiles at once. H200, fp16 products
+        # (`default_config`), the 4-warp rule below in the same run, us: Gemma-3-12B's heads (GQA
+        # 2), B=128 x 8,192 keys 1,200 against 1,777 (1.19x the copy time of the bytes against
+        # 1.77x); window 1,024: 192 against 255; B=128 x 600: 106 against 163; D=128 with GQA 4,
+        # B=128 x 8,192: 675 against 960. Not taken (no gain shown): batches split across the SMs
+        # (2-warp programs: B=16 x 16k 478 against 510; at B=1 1.09-1.19x, where two runs of
+        # the same tiles differed by up to 1.17x), and GQA 8, whose products use 8 of 16 rows
+        # (B=128 x 8,192: 452 on 4 warps against 624 at best on small tiles).
+        return {"BLOCK_M": block_m, "TILE_N": 32, "num_warps": 1, "num_stages": 3}
     if max_query_len == 1 and fp8 and head_dim == 256:
-        # An e4m3 cache is bound by its conversion in registers, not by its bytes. With fp16
-        # products (`default_config`), Gemma-3-12B's heads, B=128 x 8,192 keys, H200: 128-key tiles
-        # on 4 warps, 3 stages, 1.80 ms (8 warps: 2.86; the best tiles with bf16 products 2.13; a
-        # bf16 cache 1.97); window 1,024: one stage, 259 us (bf16 products 299).
+        # Gemma-3-12B's heads with 128-key tiles on 4 warps, B=128 x 8,192 keys: 1.80 ms (8
+        # warps: 2.86; bf16 products 2.13; a bf16 cache 1.97); window 1,024: one stage, 259 us.
         stages = 1 if sliding_window else 3
         return {"BLOCK_M": block_m, "TILE_N": _tile_n(block_size, 128), "num_warps": 4, "num_stages": stages}
     if max_query_len == 1:  # decode: bandwidth-bound, 4 warps keep enough loads in flight
@@ -301,13 +312,13 @@ def _tiles(max_query_len: int, head_dim: int, gqa: int, block_size: int, sliding
 
 
 def default_config(max_query_len: int, head_dim: int, gqa: int, block_size: int, sliding_window: int = 0,
-                   max_seq_len: int = 0, fp8: bool = False) -> dict:
+                   max_seq_len: int = 0, fp8: bool = False, fills_gpu: bool = True) -> dict:
     """The tiles (`_tiles`) and, for an e4m3 cache at decode, `F16_DOT`: the products in fp16, the
     query cast to it, so that each cached byte takes one conversion instruction (e4m3x2 to f16x2;
     to bf16 it takes three). Exact for the cache (every e4m3 value is an fp16 one) and finer than
     bf16 for the probabilities; a query beyond fp16's range (65,504) would overflow. fp32 queries
     keep fp32 products."""
-    cfg = _tiles(max_query_len, head_dim, gqa, block_size, sliding_window, max_seq_len, fp8)
+    cfg = _tiles(max_query_len, head_dim, gqa, block_size, sliding_window, max_seq_len, fp8, fills_gpu)
     if fp8 and max_query_len == 1:
         cfg["F16_DOT"] = True
     return cfg
@@ -345,13 +356,15 @@ def paged_attention(
         out = torch.empty_like(q)
     if num_tokens == 0:
         return out
-    cfg = config or default_config(max_query_len, head_dim, gqa, block_size, sliding_window, max_seq_len, fp8)
+    num_sms = _num_sms(q.device)
+    cfg = config or default_config(max_query_len, head_dim, gqa, block_size, sliding_window, max_seq_len, fp8,
+                                   fills_gpu=num_seqs * num_kv_heads >= num_sms)
     block_m = cfg["BLOCK_M"]
     block_q = max(1, block_m // gqa)
     if num_splits is None:
         # At D=512 each split's partial row is 2 KiB to merge: 8 splits at most (B=1, 600 keys,
         # H200: 41 us against 56 with the 32 the rule gives D=256).
-        num_splits = (choose_num_splits(num_seqs, num_kv_heads, max_seq_len, _num_sms(q.device), cfg["TILE_N"],
+        num_splits = (choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms, cfg["TILE_N"],
                                         max_splits=8 if head_dim > 256 else 32)
                       if max_query_len == 1 else 1)
     head_dim_pad = max(16, _next_pow2(head_dim))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kernels.kv_store import FP8_DTYPE, FP8_MAX, quantize_fp8_ref, store_kv, store_kv_ref
-from kernels.paged_attention import paged_attention
+from kernels.paged_attention import _num_sms, default_config, paged_attention
 from kernels.paged_attention_ref import paged_attention_ref
 from tests.conftest import DEVICE
 from tests.test_paged_attention import DECODES, MIXED, make_case, small
@@ -79,6 +79,18 @@ def test_fp8_cache_split_decode(splits):
     """Flash-decoding splits: v_scale applied to each split's partial sums before the merge."""
     args, g = fp8_case(DECODES, 8, 2, 64, 16, torch.bfloat16, window=24)
     check_fp8(args, config=small(4), num_splits=splits, sinks=torch.randn(8, generator=g).to(DEVICE))
+
+
+@pytest.mark.parametrize("fills, gqa, warps", [(True, 2, 1), (False, 2, 4), (True, 8, 4)])
+def test_fp8_decode_default_tiles_match_float64_reference(fills, gqa, warps):
+    """The decode tiles an e4m3 cache gets by default at D=128: 1-warp programs for batches with a
+    program for every SM, 4 warps for smaller (split) batches and for GQA 8."""
+    sms = _num_sms(torch.device(DEVICE))
+    num_seqs = -(-sms // 2) if fills else 1  # 2 KV heads: a program a sequence and head
+    lens = [(17 + 29 * i % 90, 1) for i in range(num_seqs)]
+    args, _ = fp8_case(lens, 2 * gqa, 2, 128, 16, torch.bfloat16)
+    assert default_config(1, 128, gqa, 16, fp8=True, fills_gpu=fills)["num_warps"] == warps
+    check_fp8(args)
 
 
 def test_fp8_scales_are_required_and_checked():
