@@ -1,11 +1,12 @@
 """On a GPU: paged attention at Gemma-3-12B's shape (D=256, 16 query / 8 KV heads, block 16) or,
-with `--heads gemma4`, Gemma-4-31B's full layers (D=512, 32 query / 4 KV heads): the shipped
-config against a sweep of tiles, warps, stages and (for small batches) splits; decode as KV bytes
-read over time against the copy bandwidth, prefill (`--prefill`) as attention FLOP/s; same run.
+with `--heads gemma4`, Gemma-4-31B's full layers (D=512, 32 query / 4 KV heads; `HEADS` has more):
+the shipped config against a sweep of tiles, warps, stages and (for small batches) splits; decode
+as KV bytes read over time against the copy bandwidth, prefill (`--prefill`) as attention FLOP/s;
+same run.
 `--kv-cache-dtype fp8`: the cache in e4m3 with its scales (decode's bytes: 1 an element).
 Prints the best configs per case.
 
-    python -m kernels.bench.sweep_decode_attention [--heads gemma4] [--prefill] [--kv-cache-dtype fp8]
+    python -m kernels.bench.sweep_decode_attention [--heads NAME] [--prefill] [--kv-cache-dtype fp8]
         [--case BATCH CONTEXT WINDOW ...]
 """
 from __future__ import annotations
@@ -20,7 +21,9 @@ from triton.testing import do_bench
 from kernels.kv_store import FP8_DTYPE
 from kernels.paged_attention import _num_sms, choose_num_splits, default_config, paged_attention
 
-HEADS = {"gemma3": (16, 8, 256), "gemma4": (32, 4, 512)}  # query heads, KV heads, head size
+# query heads, KV heads, head size; "qwen3.6": Qwen3.6-35B-A3B's attention (GQA 8), "gqa4-128": a
+# Llama-style layer of 128-wide heads
+HEADS = {"gemma3": (16, 8, 256), "gemma4": (32, 4, 512), "qwen3.6": (16, 2, 256), "gqa4-128": (32, 8, 128)}
 HQ, HKV, D = HEADS["gemma3"]
 BS = 16
 CASES = [(128, 600, 0), (128, 600, 1024), (16, 16384, 0), (16, 16384, 1024), (1, 600, 0), (1, 600, 1024)]
@@ -106,14 +109,15 @@ def main() -> int:
         read = min(length, window) if window else length
         nbytes = batch * read * HKV * D * 2 * kv.element_size()
         ref = paged_attention(q, kv, table, qsl, lens, 1, length, D ** -0.5, sliding_window=window, **SCALES)
-        base_cfg = default_config(1, D, HQ // HKV, BS, window, length, fp8=kv.element_size() == 1)
+        base_cfg = default_config(1, D, HQ // HKV, BS, window, length, fp8=kv.element_size() == 1,
+                                  fills_gpu=batch * HKV >= _num_sms(q.device))
         base_splits = choose_num_splits(batch, HKV, length, _num_sms(q.device), base_cfg["TILE_N"],
                                         max_splits=8 if D > 256 else 32)
         results = []
         if batch == 1:  # latency-bound: only the split count matters
             grid = [(base_cfg["TILE_N"], base_cfg["num_warps"], base_cfg["num_stages"], sp) for sp in (1, 2, 4, 8, 16)]
         else:
-            grid = [(t, w, st, base_splits) for t, w, st in itertools.product((16, 32, 64, 128), (4, 8), (1, 2, 3))]
+            grid = [(t, w, st, base_splits) for t, w, st in itertools.product((16, 32, 64, 128), (1, 2, 4, 8), (1, 2, 3))]
         f16 = (False, True) if SCALES else (False,)
         for (tile, warps, stages, splits), f16_dot in itertools.product(grid, f16):
             cfg = {"BLOCK_M": base_cfg["BLOCK_M"], "TILE_N": tile, "num_warps": warps, "num_stages": stages,
