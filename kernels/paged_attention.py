@@ -240,6 +240,11 @@ def _num_sms(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
+def batch_fills_gpu(num_seqs: int, num_kv_heads: int, num_sms: int) -> bool:
+    """Whether a decode batch has a program (a sequence and KV head) for every SM without splits."""
+    return num_seqs * num_kv_heads >= num_sms
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
                       tile_n: int = 64, max_splits: int = 32) -> int:
     """Splits of the key range for a decode batch too small to fill the GPU: enough programs for
@@ -248,9 +253,9 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     heads, tile 64, each inside a CUDA graph (`kernels/bench/decode_batch1.py`): 600 keys 9.4 us with 16
     splits against 11.2 with 8; 2,048 keys 13.1 us with 32 against 17.8 with 8; 8,192 keys 27.6
     against 55.7. 1 = no split."""
-    programs = num_seqs * num_kv_heads
-    if programs >= num_sms:
+    if batch_fills_gpu(num_seqs, num_kv_heads, num_sms):
         return 1
+    programs = num_seqs * num_kv_heads
     tiles = max_seq_len // tile_n
     want = min(triton.cdiv(2 * num_sms, programs), max(tiles, 1), max_splits)
     return _next_pow2(want) if want > 1 else 1
@@ -269,8 +274,7 @@ def _tiles(max_query_len: int, head_dim: int, gqa: int, block_size: int, sliding
            max_seq_len: int = 0, fp8: bool = False, fills_gpu: bool = True) -> dict:
     """Tile shapes and launch options, the fastest of sweeps on an H200 (bf16, block 16; D=128 with
     Hq=32, Hkv=8: `distengine bench kernels --sweep`; D=256 with Hq=16, Hkv=8, Gemma-3-12B's
-    shape: kernels/bench/sweep_decode_attention.py). `fills_gpu`: a decode batch with a program
-    for every SM without splits (`choose_num_splits`)."""
+    shape: kernels/bench/sweep_decode_attention.py). `fills_gpu`: `batch_fills_gpu` of a decode batch."""
     block_m = max(16, _next_pow2(gqa))
     if head_dim > 256:
         # Gemma 4's full layers (D=512, Hq=32, Hkv=4; `kernels/bench/sweep_decode_attention.py
@@ -286,8 +290,8 @@ def _tiles(max_query_len: int, head_dim: int, gqa: int, block_size: int, sliding
         # converted tiles filled 255 registers and spilled (2 programs an SM, 12% occupancy,
         # ncu). 1-warp programs on 32-key tiles convert more tiles at once. H200, fp16 products
         # (`default_config`), the 4-warp rule below in the same run, us: Gemma-3-12B's heads (GQA
-        # 2), B=128 x 8,192 keys 1,200 against 1,777 (1.19x the copy time of the bytes against
-        # 1.77x); window 1,024: 192 against 255; B=128 x 600: 106 against 163; D=128 with GQA 4,
+        # 2), B=128 x 8,192 keys 1,191 against 1,789 (1.18x the copy time of the bytes against
+        # 1.78x); window 1,024: 192 against 254; B=128 x 600: 104 against 164; D=128 with GQA 4,
         # B=128 x 8,192: 675 against 960. Not taken (no gain shown): batches split across the SMs
         # (2-warp programs: B=16 x 16k 478 against 510; at B=1 1.09-1.19x, where two runs of
         # the same tiles differed by up to 1.17x), and GQA 8, whose products use 8 of 16 rows
@@ -358,7 +362,7 @@ def paged_attention(
         return out
     num_sms = _num_sms(q.device)
     cfg = config or default_config(max_query_len, head_dim, gqa, block_size, sliding_window, max_seq_len, fp8,
-                                   fills_gpu=num_seqs * num_kv_heads >= num_sms)
+                                   fills_gpu=batch_fills_gpu(num_seqs, num_kv_heads, num_sms))
     block_m = cfg["BLOCK_M"]
     block_q = max(1, block_m // gqa)
     if num_splits is None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kernels.kv_store import FP8_DTYPE, FP8_MAX, quantize_fp8_ref, store_kv, store_kv_ref
-from kernels.paged_attention import _num_sms, default_config, paged_attention
+from kernels.paged_attention import _num_sms, batch_fills_gpu, default_config, paged_attention
 from kernels.paged_attention_ref import paged_attention_ref
 from tests.conftest import DEVICE
 from tests.test_paged_attention import DECODES, MIXED, make_case, small
@@ -89,6 +89,7 @@ def test_fp8_decode_default_tiles_match_float64_reference(fills, gqa, warps):
     num_seqs = -(-sms // 2) if fills else 1  # 2 KV heads: a program a sequence and head
     lens = [(17 + 29 * i % 90, 1) for i in range(num_seqs)]
     args, _ = fp8_case(lens, 2 * gqa, 2, 128, 16, torch.bfloat16)
+    assert batch_fills_gpu(num_seqs, 2, sms) == fills
     assert default_config(1, 128, gqa, 16, fp8=True, fills_gpu=fills)["num_warps"] == warps
     check_fp8(args)
 

@@ -19,7 +19,7 @@ import torch
 from triton.testing import do_bench
 
 from kernels.kv_store import FP8_DTYPE
-from kernels.paged_attention import _num_sms, choose_num_splits, default_config, paged_attention
+from kernels.paged_attention import _num_sms, batch_fills_gpu, choose_num_splits, default_config, paged_attention
 
 # query heads, KV heads, head size; "qwen3.6": Qwen3.6-35B-A3B's attention (GQA 8), "gqa4-128": a
 # Llama-style layer of 128-wide heads
@@ -110,7 +110,7 @@ def main() -> int:
         nbytes = batch * read * HKV * D * 2 * kv.element_size()
         ref = paged_attention(q, kv, table, qsl, lens, 1, length, D ** -0.5, sliding_window=window, **SCALES)
         base_cfg = default_config(1, D, HQ // HKV, BS, window, length, fp8=kv.element_size() == 1,
-                                  fills_gpu=batch * HKV >= _num_sms(q.device))
+                                  fills_gpu=batch_fills_gpu(batch, HKV, _num_sms(q.device)))
         base_splits = choose_num_splits(batch, HKV, length, _num_sms(q.device), base_cfg["TILE_N"],
                                         max_splits=8 if D > 256 else 32)
         results = []
