@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 
 from distengine.config import EngineConfig
+from distengine.config_snapshot import snapshot
 from distengine.executor import Executor, create_executor
 from distengine.hf_config import load_tokenizer_and_eos, read_model_config, text_config
 from distengine.interrupts import interrupts_held
@@ -51,9 +52,10 @@ def start_workers(config: EngineConfig, executor: Executor) -> EngineInfo:
     budget for their devices, the plan, their model shards loaded, the blocks every rank holds
     from the memory each measured, the cache allocated."""
     config = config.placed(executor.gpus_available).with_token_budget(executor.devices)
-    text = text_config(read_model_config(config.model))
+    hf_config = read_model_config(config.model)
+    text = text_config(hf_config)
     plan = engine_plan(config, text.to_dict())
-    memory = executor.load(config, plan)
+    memory = executor.load(config, plan, snapshot(hf_config))
     blocks = num_blocks(config, plan, memory, executor.devices[0].is_cuda)
     executor.allocate_kv_cache(blocks)
     return EngineInfo(config, plan, blocks, int(text.vocab_size), executor.devices, memory)

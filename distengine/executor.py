@@ -42,6 +42,7 @@ from typing import Any
 
 import distengine
 from distengine.config import EngineConfig
+from distengine.config_snapshot import ConfigSnapshot
 from distengine.kv_cache.plan import KVCachePlan
 from distengine.step import StepOutput, StepPlan
 from distengine.worker_info import DeviceInfo, MemoryProfile
@@ -74,7 +75,7 @@ class PlacementGroupError(RuntimeError):
 class Executor:
     """Where the workers run, as the engine core sees it: `config` (placed: the device and dtype
     resolved for where the workers run, `gpus_available`) and `devices` (what each rank reported
-    of its device) once built; then `load(config, plan) -> [MemoryProfile]` per rank, `allocate_kv_cache(num_blocks)`,
+    of its device) once built; then `load(config, plan, hf_config) -> [MemoryProfile]` per rank, `allocate_kv_cache(num_blocks)`,
     and `execute(step) -> rank 0's StepOutput` (the previous step's, for an overlapped step),
     `collective_rpc`, `check_health()`, `shutdown()`."""
 
@@ -85,9 +86,10 @@ class Executor:
     _dead_cause: BaseException | None = None
     _dead_message: str = ""
 
-    def load(self, config: EngineConfig, plan: KVCachePlan) -> list[MemoryProfile]:
-        """Every rank loads its shard for the engine's resolved config and plan, then profiles
-        its memory (a collective); their profiles in rank order."""
+    def load(self, config: EngineConfig, plan: KVCachePlan, hf_config: ConfigSnapshot) -> list[MemoryProfile]:
+        """Every rank loads its shard for the engine's resolved config and plan (the model's
+        config as the driver parsed it), then profiles its memory (a collective); their profiles
+        in rank order."""
         raise NotImplementedError
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -144,9 +146,9 @@ class UniprocExecutor(Executor):
         self._closed = False
         self.devices = [self.worker.init()]
 
-    def load(self, config: EngineConfig, plan: KVCachePlan) -> list[MemoryProfile]:
+    def load(self, config: EngineConfig, plan: KVCachePlan, hf_config: ConfigSnapshot) -> list[MemoryProfile]:
         self.config = config
-        self.worker.load(config, plan)
+        self.worker.load(config, plan, hf_config)
         return [self.worker.profile_memory()]
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -266,11 +268,11 @@ class RayExecutor(Executor):
         except BaseException as e:
             self._fail_start(e)
 
-    def load(self, config: EngineConfig, plan: KVCachePlan) -> list[MemoryProfile]:
+    def load(self, config: EngineConfig, plan: KVCachePlan, hf_config: ConfigSnapshot) -> list[MemoryProfile]:
         self.config = config
         t = self.startup_timeout_s
         try:
-            self._gather([a.load.remote(config, plan) for a in self.actors], t, "loading the model")
+            self._gather([a.load.remote(config, plan, hf_config) for a in self.actors], t, "loading the model")
             return self._gather([a.profile_memory.remote() for a in self.actors], t, "profiling its memory")
         except BaseException as e:
             self._fail_start(e)

@@ -15,8 +15,8 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("distengine", "workers", "kernels", "launch")
 CONTRACT = {"distengine.config", "distengine.step", "distengine.worker_info", "distengine.kv_cache.plan",
-            "distengine.quantization",
-            "distengine.kv_cache.specs", "distengine.model_config", "distengine.hf_config"}
+            "distengine.quantization", "distengine.kv_cache.specs", "distengine.model_config",
+            "distengine.hf_config", "distengine.config_snapshot"}
 EXECUTOR = "distengine.executor"
 
 

@@ -22,6 +22,7 @@ from workers.layers.linear import quantized_linears
 if TYPE_CHECKING:
     from workers.parallel import TPGroup
 
+from distengine.config_snapshot import ConfigSnapshot, snapshot
 from distengine.hf_config import load_hf_config, resolve_dtype, resolve_model_path
 from distengine.quantization import QuantizationConfig, resolve_quantization
 from distengine.model_config import FP8_KV_CACHE_DTYPES
@@ -188,10 +189,16 @@ def check_weight_dtypes(expected: Collection[str], found: dict[str, str],
         raise WeightDtypeError(f"{len(wrong)} checkpoint tensors have a dtype the model does not take: {_some(wrong)}")
 
 
+def model_config(path: str | os.PathLike, hf_config: ConfigSnapshot | None = None) -> ConfigSnapshot:
+    """What a model is built from: the engine's snapshot of its config, else its config.json read
+    here (which imports transformers)."""
+    return hf_config if hf_config is not None else snapshot(load_hf_config(path))
+
+
 def load_model(path: str | os.PathLike, model_cls: type, tp: TPGroup,
                dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu",
                max_model_len: int | None = None, kv_cache_dtype: str = "auto",
-               quantization: str | None = None) -> torch.nn.Module:
+               quantization: str | None = None, hf_config: ConfigSnapshot | None = None) -> torch.nn.Module:
     """Build `model_cls` (an nn.Module following `LoadableModel`) for this rank and fill it from
     the checkpoint at `path`.
 
@@ -202,9 +209,10 @@ def load_model(path: str | os.PathLike, model_cls: type, tp: TPGroup,
     rotary caches (default: the config's max_position_embeddings). The checkpoint's
     quantization_config (`distengine.quantization`) says which linear layers hold FP8 weights;
     the headers' dtypes must agree. With an fp8 `kv_cache_dtype` the checkpoint's KV cache scales
-    are read too (`workers.kv_scales`).
+    are read too (`workers.kv_scales`). `hf_config`: the model's config as the engine read it
+    (None: read from `path`).
     """
-    config = load_hf_config(path)
+    config = model_config(path, hf_config)
     device = torch.device(device)
     resolved = resolve_dtype(config, dtype, device)
     quant = resolve_quantization(config.to_dict(), quantization, "auto")
@@ -230,7 +238,7 @@ def load_model(path: str | os.PathLike, model_cls: type, tp: TPGroup,
 def get_model(model: str, tp: TPGroup, dtype: str | torch.dtype = "auto", device: torch.device | str = "cpu",
               revision: str | None = None, max_model_len: int | None = None,
               load_format: str = "auto", seed: int = 0, kv_cache_dtype: str = "auto",
-              quantization: str | None = None) -> torch.nn.Module:
+              quantization: str | None = None, hf_config: ConfigSnapshot | None = None) -> torch.nn.Module:
     """The whole path from an id or folder to a loaded rank shard, in the order that fails
     cheapest first (id, then architecture, then shards and shapes, then data). `load_format`
     "dummy" (vLLM's name) reads no weights: the folder needs only its config.json, and the
@@ -240,16 +248,17 @@ def get_model(model: str, tp: TPGroup, dtype: str | torch.dtype = "auto", device
     from workers.models import get_model_class
 
     path = resolve_model_path(model, revision)
-    model_cls = get_model_class(getattr(load_hf_config(path), "architectures", None))
+    hf_config = model_config(path, hf_config)
+    model_cls = get_model_class(getattr(hf_config, "architectures", None))
     if load_format == "dummy":
-        return dummy_model(path, model_cls, tp, dtype, device, max_model_len, seed, quantization)
-    return load_model(path, model_cls, tp, dtype, device, max_model_len, kv_cache_dtype, quantization)
+        return dummy_model(path, model_cls, tp, dtype, device, max_model_len, seed, quantization, hf_config)
+    return load_model(path, model_cls, tp, dtype, device, max_model_len, kv_cache_dtype, quantization, hf_config)
 
 
 def dummy_model(path: str | os.PathLike, model_cls: type, tp: TPGroup, dtype: str | torch.dtype = "auto",
                 device: torch.device | str = "cpu", max_model_len: int | None = None, seed: int = 0,
-                quantization: str | None = None) -> torch.nn.Module:
-    config = load_hf_config(path)
+                quantization: str | None = None, hf_config: ConfigSnapshot | None = None) -> torch.nn.Module:
+    config = model_config(path, hf_config)
     device = torch.device(device)
     extra = {"max_positions": max_model_len} if max_model_len else {}
     with quantized_linears(resolve_quantization(config.to_dict(), quantization, "dummy")):

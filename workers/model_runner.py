@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from distengine.config import EngineConfig
+from distengine.config_snapshot import ConfigSnapshot
 from distengine.kv_cache.plan import KVCachePlan
 from distengine.step import GrammarMasks, RequestSampling, StepOutput, StepPlan
 from distengine.worker_info import MemoryProfile
@@ -126,12 +127,13 @@ class ModelRunner:
     """Built from a placed config (device, dtype and token budget resolved) and the engine's plan."""
 
     def __init__(self, config: EngineConfig, plan: KVCachePlan, tp: TPGroup = TPGroup(),
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, hf_config: ConfigSnapshot | None = None) -> None:
         self.config, self.plan, self.tp = config, plan, tp
         self.device = device or torch.device(config.device)
         self.model = get_model(config.model, tp, config.dtype, self.device, max_model_len=config.max_model_len,
                                load_format=config.load_format, seed=config.seed,
-                               kv_cache_dtype=config.kv_cache_dtype, quantization=config.quantization)
+                               kv_cache_dtype=config.kv_cache_dtype, quantization=config.quantization,
+                               hf_config=hf_config)
         self.dtype = self.model.model.embedding.weight.dtype if hasattr(self.model.model, "embedding") \
             else next(self.model.parameters()).dtype  # (FP8 linears hold another dtype)
         self.vocab_size = int(self.model.config.get_text_config().vocab_size)

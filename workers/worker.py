@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from distengine.config import EngineConfig
+from distengine.config_snapshot import ConfigSnapshot
 from distengine.kv_cache.plan import KVCachePlan
 from distengine.step import StepOutput, StepPlan
 from distengine.worker_info import DeviceInfo, MemoryProfile
@@ -99,9 +100,10 @@ class Worker:
         return DeviceInfo(self.rank, str(self.device), torch.cuda.get_device_name(self.device) if cuda else "CPU",
                           torch.cuda.get_device_properties(self.device).total_memory if cuda else 0)
 
-    def load(self, config: EngineConfig, plan: KVCachePlan) -> None:
+    def load(self, config: EngineConfig, plan: KVCachePlan, hf_config: ConfigSnapshot | None = None) -> None:
         """The model shard and its persistent batch, for the engine's config (its token budget
-        resolved) and the KV cache plan the engine made."""
+        resolved), the KV cache plan the engine made and the model's config as the engine read
+        it (None: read here)."""
         from distengine.hf_config import DTYPES
         from workers.model_runner import ModelRunner
         from workers.parallel import TPGroup, with_nvlink_all_reduce
@@ -111,7 +113,7 @@ class Worker:
                 and tp.custom is None:
             tp = with_nvlink_all_reduce(tp, self.device, DTYPES[config.dtype])
         self.tp = tp
-        self.runner = ModelRunner(config, plan, tp, self.device)
+        self.runner = ModelRunner(config, plan, tp, self.device, hf_config)
 
     def profile_memory(self) -> MemoryProfile:
         return self.runner.profile_memory()
