@@ -39,13 +39,8 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, num_gpus=0, include_dashboard=False)
-    yield
-    if started:
-        ray.shutdown()
+def cluster(ray_cluster):
+    assert ray.cluster_resources().get("CPU") == 4  # (the counts below)
 
 
 @pytest.fixture(scope="module")
@@ -155,3 +150,19 @@ def test_killed_worker_makes_engine_dead_and_shutdown_frees_all(tp2, checkpoint)
     assert ray.available_resources().get("CPU", 0) == 2  # the fixture's two workers hold the rest
     assert ray.is_initialized()
     tp2.check_health()  # the other engine is untouched
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma4", "qwen3_5_moe"])
+def test_in_process_shutdown_gives_the_model_and_cache_back(tmp_path, name):
+    """The worker outlives its engine in this process: its shutdown frees the weights and the
+    pool (a collection only where a reference cycle would keep them)."""
+    import weakref
+    hf, _ = build(name)
+    hf.save_pretrained(tmp_path)
+    ex = UniprocExecutor(config(str(tmp_path)))
+    EngineCore(ex.config, ex)
+    runner = ex.worker.runner
+    held = [weakref.ref(runner.model), weakref.ref(runner.kv_pool)]
+    del runner
+    ex.shutdown()
+    assert [ref() is None for ref in held] == [True, True]
