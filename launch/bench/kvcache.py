@@ -329,6 +329,9 @@ LABELS = {"prompt_tokens": "prompt tok", "hit_tokens": "hit tok", "hit_rate": "h
 def run(args) -> int:
     if args.trace and args.trace_kind:
         raise ValueError("--trace-kind picks a generated trace: it cannot go with --trace")
+    if args.reference == "vllm":  # a missing vLLM is said before our own runs, not after them
+        from launch.bench.vllm_reference import import_vllm
+        import_vllm()
     if args.trace:
         trace = load_trace(args.trace)
     else:

@@ -111,7 +111,8 @@ KERNEL_BLOCK = 16
 GDN_CHECKPOINT_ALIGNMENT = 64
 
 
-def _import_vllm() -> SimpleNamespace:
+def import_vllm() -> SimpleNamespace:
+    """The vLLM modules the reference drives, or an ImportError saying how to install them."""
     try:
         import torch
         import vllm
@@ -196,7 +197,7 @@ def vllm_hybrid_layout(plan: KVCachePlan) -> HybridLayout | None:
 def vllm_kv_cache_config(plan: KVCachePlan, num_blocks: int, v: SimpleNamespace | None = None,
                          retention_interval: int | None = RETENTION_INTERVAL):
     """A vLLM KVCacheConfig for the plan's layers, grouped by vLLM's own `get_kv_cache_groups`."""
-    v = v or _import_vllm()
+    v = v or import_vllm()
     dtype = getattr(v.torch, _DTYPES[plan.dtype_bytes])
     hybrid = vllm_hybrid_layout(plan)
     block_size = hybrid.block_size if hybrid else plan.block_size
@@ -257,7 +258,7 @@ class VllmKVCacheManagerAdapter:
     def __init__(self, plan: KVCachePlan, num_blocks: int, enable_caching: bool = True,
                  hash_algo: str = HASH_ALGO, reserve_full_isl: bool = True,
                  retention_interval: int | None = RETENTION_INTERVAL) -> None:
-        v = self._v = _import_vllm()
+        v = self._v = import_vllm()
         self.plan = plan
         self.kv_cache_config = vllm_kv_cache_config(plan, num_blocks, v, retention_interval)
         if self.kv_cache_config.has_mamba_layers and not enable_caching:
