@@ -8,6 +8,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# A CPU engine's pool defaults to 1 GiB, zeroed on every start (half a second, on each rank); the
+# tiny test models fill a fraction of 128 MiB.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "0.125")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -23,13 +26,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """A local Ray cluster for a module's TP=2 tests (one already running is reused, not stopped)."""
+@pytest.fixture(scope="session")
+def _ray_session():
     ray = pytest.importorskip("ray")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield ray
-    if started:
+    started: list[bool] = []
+    yield ray, started
+    if started and ray.is_initialized():
         ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(_ray_session):
+    """A local Ray cluster of 4 logical CPUs and no GPU (its TP=2 tests run on CPU, on any host):
+    started once and kept for the session (a start and stop cost ~7 s on a small host); one
+    already running is reused; a module after a test that stopped it (the two-node tests) gets a
+    new one."""
+    ray, started = _ray_session
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
+        started.append(True)
+    return ray

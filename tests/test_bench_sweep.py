@@ -29,13 +29,8 @@ def tiny(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
+def cluster(ray_cluster):
+    return ray_cluster
 
 
 def sweep_file(tmp_path, tiny: str, grid: dict, name: str = "sweep.json", **fixed) -> str:

@@ -252,22 +252,14 @@ def test_fp8_cache_on_gpu_with_cuda_graphs(tmp_path):
     assert tokens[False] == tokens[True]
 
 
-def test_tp2_fp8_cache_reads_the_scales_on_every_rank(tmp_path):
+def test_tp2_fp8_cache_reads_the_scales_on_every_rank(tmp_path, ray_cluster):
     """At TP=2 (Ray, gloo) each rank stores its KV heads in e4m3 with the layer's scales."""
-    ray = pytest.importorskip("ray")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     # The workers cannot import this test module: `_cache_dtypes` travels by value.
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    try:
-        folder = _gemma3_with_scales(tmp_path)
-        prompts = _prompts(2)
-        ref, _ = _teacher_forced(folder, "auto", prompts)
-        got, seen = _teacher_forced(folder, "fp8", prompts, _cache_dtypes, dict(CPU, tensor_parallel_size=2))
-    finally:
-        if started:
-            ray.shutdown()
+    ray_cluster.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    folder = _gemma3_with_scales(tmp_path)
+    prompts = _prompts(2)
+    ref, _ = _teacher_forced(folder, "auto", prompts)
+    got, seen = _teacher_forced(folder, "fp8", prompts, _cache_dtypes, dict(CPU, tensor_parallel_size=2))
     assert len(seen) == 2
     for rank in seen:
         assert [(d, s) for _, _, d, s in rank] == [

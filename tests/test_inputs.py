@@ -84,14 +84,6 @@ def test_bad_inputs_tp1(model):
         assert all(max(d, key=d.get) == t for d, t in zip(out.logprobs, out.token_ids))
 
 
-def test_bad_inputs_tp2(model):
-    ray = pytest.importorskip("ray")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        with LLM(model, tensor_parallel_size=2, device="cpu", dtype="float32", max_model_len=512) as llm:
-            walk(llm)
-    finally:
-        if started:
-            ray.shutdown()
+def test_bad_inputs_tp2(model, ray_cluster):
+    with LLM(model, tensor_parallel_size=2, device="cpu", dtype="float32", max_model_len=512) as llm:
+        walk(llm)

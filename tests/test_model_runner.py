@@ -95,6 +95,7 @@ def test_num_blocks_from_memory(checkpoint, monkeypatch):
 
     runner, _ = runner_of(config(folder))
     block_bytes = runner.plan.block_bytes
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # (tests/conftest.py sets a small one)
     n = blocks(config(folder, gpu_memory_utilization=0.3, kv_cache_memory_bytes=None, num_gpu_blocks_override=None))
     if DEVICE == "cpu":
         assert n == (1 << 30) // block_bytes

@@ -46,6 +46,9 @@ def _port() -> int:
 
 
 def test_tp2_spread_over_two_ray_nodes(tmp_path):
+    import ray
+    if ray.is_initialized():
+        ray.shutdown()  # the tests' own cluster: `ray stop --force` below would end it under them
     hf, _ = build("qwen2")
     hf.save_pretrained(tmp_path / "m")
     prompts = _prompts(2)

@@ -25,6 +25,9 @@ def _worker(rank: int, world: int, rendezvous: str, folder: str, backend: str = 
     from tests.model_harness import Harness
     from workers.parallel import init_tp_group
     device = torch.device("cpu")
+    # Two ranks on a small host: each on one thread, as the engine's CPU workers (torch's default
+    # of a thread a core makes them spin against each other).
+    torch.set_num_threads(1)
     if backend != "gloo":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
