@@ -104,6 +104,9 @@ def snapshot(config, _memo: dict[int, ConfigSnapshot] | None = None) -> ConfigSn
         value = plain(value)
         if value is not _SKIP:
             values[name] = value
+    for alias, target in getattr(config, "attribute_map", {}).items():  # (transformers resolves them on access)
+        if target in values:
+            values.setdefault(alias, values[target])
     if text_key is not None and text_key not in values:
         values[text_key] = snapshot(text, memo)
     return out

@@ -75,8 +75,9 @@ class PlacementGroupError(RuntimeError):
 class Executor:
     """Where the workers run, as the engine core sees it: `config` (placed: the device and dtype
     resolved for where the workers run, `gpus_available`) and `devices` (what each rank reported
-    of its device) once built; then `load(config, plan, hf_config) -> [MemoryProfile]` per rank, `allocate_kv_cache(num_blocks)`,
-    and `execute(step) -> rank 0's StepOutput` (the previous step's, for an overlapped step),
+    of its device) once built; then `load(config, plan, hf_config) -> [MemoryProfile]` per rank,
+    `allocate_kv_cache(num_blocks)`, and `execute(step) -> rank 0's StepOutput` (the previous
+    step's, for an overlapped step),
     `collective_rpc`, `check_health()`, `shutdown()`."""
 
     config: EngineConfig
