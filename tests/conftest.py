@@ -29,9 +29,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def _ray_session():
     ray = pytest.importorskip("ray")
-    started: list[bool] = []
-    yield ray, started
-    if started and ray.is_initialized():
+    yield ray
+    if ray.is_initialized():  # (the process's own cluster: this session started it)
         ray.shutdown()
 
 
@@ -41,8 +40,7 @@ def ray_cluster(_ray_session):
     started once and kept for the session (a start and stop cost ~7 s on a small host); one
     already running is reused; a module after a test that stopped it (the two-node tests) gets a
     new one."""
-    ray, started = _ray_session
+    ray = _ray_session
     if not ray.is_initialized():
         ray.init(num_cpus=4, num_gpus=0, include_dashboard=False, log_to_driver=False)
-        started.append(True)
     return ray

@@ -28,11 +28,6 @@ def tiny(tmp_path_factory):
     return folder
 
 
-@pytest.fixture(scope="module")
-def cluster(ray_cluster):
-    return ray_cluster
-
-
 def sweep_file(tmp_path, tiny: str, grid: dict, name: str = "sweep.json", **fixed) -> str:
     spec = {"model": tiny, "kind": "latency", "device": "cpu", "grid": grid, "input_len": 6, "output_len": 3,
             "num_iters": 1, "num_iters_warmup": 0, **fixed}
@@ -46,7 +41,7 @@ def lines(out) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def test_grid_table_plot_failure_resume_and_skip(tiny, cluster, tmp_path, capsys):
+def test_grid_table_plot_failure_resume_and_skip(tiny, ray_cluster, tmp_path, capsys):
     out = str(tmp_path / "out")
     spec = sweep_file(tmp_path, tiny, {"batch_size": [1, 2], "max_model_len": [64, 100000]})
     assert main(["bench", "sweep", spec, "--out", out, "--no-progress"]) == 0
