@@ -30,14 +30,14 @@ def pytest_collection_modifyitems(config, items):
 def _ray_session():
     ray = pytest.importorskip("ray")
     yield ray
-    if ray.is_initialized():  # (the process's own cluster: this session started it)
+    if ray.is_initialized():  # (this process started it: the test run ends)
         ray.shutdown()
 
 
 @pytest.fixture(scope="module")
 def ray_cluster(_ray_session):
     """A local Ray cluster of 4 logical CPUs and no GPU (its TP=2 tests run on CPU, on any host):
-    started once and kept for the session (a start and stop cost ~7 s on a small host); one
+    started once and kept for the whole test run (a start and stop cost ~7 s on a small host); one
     already running is reused; a module after a test that stopped it (the two-node tests) gets a
     new one."""
     ray = _ray_session
