@@ -51,6 +51,9 @@ def write_mxfp4_gpt_oss(folder, seed: int = 0, quant: dict = PUBLISHED_QUANT, la
 def transformers_dequantized(folder):
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         str(folder), quantization_config=transformers.Mxfp4Config(dequantize=True), dtype=torch.float32).eval()
+    # Up to 5.17 the dequantized experts stay bf16 whatever `dtype` asks (then they compute in
+    # bf16); every MXFP4 value is exact in bf16, so float32 copies are the same weights.
+    hf.float()
     for m in hf.modules():  # transformers up to 5.17 fixes the clamp at 7: the config's
         if type(m).__name__ == "GptOssExperts":
             m.limit = hf.config.swiglu_limit
