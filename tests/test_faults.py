@@ -237,8 +237,17 @@ def test_aborted_forks_and_beams_leave_no_block(model):  # noqa: F811
         engine.shutdown()
 
 
+@pytest.fixture
+def ctrl_c():
+    """Python's own Ctrl-C handler, which a runner started in the background (SIGINT ignored)
+    leaves out."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 @pytest.mark.parametrize("tp", [1, 2])
-def test_ctrl_c_in_generate_aborts_that_call_and_the_next_works(model, tp):  # noqa: F811
+def test_ctrl_c_in_generate_aborts_that_call_and_the_next_works(model, tp, ctrl_c):  # noqa: F811
     faulthandler.dump_traceback_later(300, exit=True)  # a hang fails the run, not the CI's clock
     try:
         with LLM(model, device="cpu", dtype="float32", max_model_len=256, tensor_parallel_size=tp) as llm:
@@ -261,7 +270,7 @@ def test_ctrl_c_in_generate_aborts_that_call_and_the_next_works(model, tp):  # n
         faulthandler.cancel_dump_traceback_later()
 
 
-def test_a_second_ctrl_c_inside_a_step_ends_the_engine_not_hangs_it(model):  # noqa: F811
+def test_a_second_ctrl_c_inside_a_step_ends_the_engine_not_hangs_it(model, ctrl_c):  # noqa: F811
     with LLM(model, device="cpu", dtype="float32", max_model_len=256) as llm:
         real = llm.executor.worker.execute
 
