@@ -31,6 +31,13 @@ def _hf_greedy(hf, prompt, n):
                            attention_mask=torch.ones(1, len(prompt), dtype=torch.long))[0, len(prompt):].tolist()
 
 
+def _hf_greedy_prefixes(hf, prompts, lengths) -> dict[int, list[list[int]]]:
+    """transformers' greedy tokens of each prompt at each length, from one generate() of the
+    longest: its first n tokens are the n-token run's (EOS is held back through both)."""
+    longest = [_hf_greedy(hf, p, max(lengths)) for p in prompts]
+    return {n: [t[:n] for t in longest] for n in lengths}
+
+
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
     return _folder(tmp_path_factory, "qwen3")
@@ -97,7 +104,7 @@ def test_hybrid_prefix_hits_preemption_and_chunking_give_transformers_tokens(tmp
         # preempt each other.
         grow = max(map(len, prompts)) + 48
         longer = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-        want = {n: [_hf_greedy(hf, p, n) for p in prompts] for n in (12, longer.max_tokens)}
+        want = _hf_greedy_prefixes(hf, prompts, (12, longer.max_tokens))
         outs = run(llm)
         assert outs[0].num_cached_tokens == 0
         assert all(o.num_cached_tokens == 2 * plan.block_size for o in outs[1:]), \
@@ -142,7 +149,7 @@ def test_prefix_hits_preemption_and_chunking_give_transformers_tokens(tmp_path_f
     # Requests that grow by 64 tokens (8 chunks of Llama-4's), to the max_model_len of the tiny pool.
     grow = max(map(len, prompts)) + 64
     longer = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-    want = {n: [_hf_greedy(hf, p, n) for p in prompts] for n in (12, longer.max_tokens)}
+    want = _hf_greedy_prefixes(hf, prompts, (12, longer.max_tokens))
 
     def run(llm, params=GREEDY):
         # The first request alone: the others find its prefix cached.
