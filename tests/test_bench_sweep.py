@@ -109,6 +109,7 @@ def _ray() -> str:
     return local if os.path.exists(local) else "ray"
 
 
+@pytest.mark.serial
 def test_points_run_on_both_nodes_of_a_two_node_cluster(tiny, tmp_path):
     if ray.is_initialized():
         ray.shutdown()  # the driver below joins the two-node cluster instead

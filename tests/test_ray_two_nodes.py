@@ -45,6 +45,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.serial
 def test_tp2_spread_over_two_ray_nodes(tmp_path):
     import ray
     if ray.is_initialized():
