@@ -18,9 +18,10 @@ query's chunk p // C), logit soft-capping, a scale (and optional per-head factor
 sinks (a per-head logit in the softmax denominator, gpt-oss). fp32 accumulation; bf16/fp16 in
 and out.
 
-An fp8 cache (e4m3, `kernels.kv_store`) is converted to the query's dtype in registers (exactly:
-every e4m3 value is a bf16 and an fp16 one); its scales are folded in where they cost nothing:
-k_scale into the logits' scale, v_scale into the output.
+An fp8 cache (e4m3, `kernels.kv_store`, its values in groups of 16 slots) is converted to the
+query's dtype in registers (exactly: every e4m3 value is a bf16 and an fp16 one), except where
+prefills multiply P x V in e4m3 (`_attend_tile`); its scales are folded in where they cost
+nothing: k_scale into the logits' scale, v_scale into the output.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.kv_store import check_scales, is_fp8
+from kernels.kv_store import VALUE_GROUP, check_scales, is_fp8, value_group, value_offsets
 from kernels.pdl import pdl_args, pdl_wait
 
 LOG2E = 1.4426950408889634
@@ -53,6 +54,112 @@ def _find_seq(query_start_loc_ptr, num_seqs, pid_q, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
+@triton.jit
+def _attend_tile(q, m_i, l_i, acc, tile, kv_lo, kv_hi, pos, bt_row, k_ptr, v_ptr, kv_head, dims, dim_ok, scale, qk_scale,
+                 softcap, row_scale, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+                 BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                 SLIDING_WINDOW: tl.constexpr, CHUNK: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+                 HAS_HEAD_SCALE: tl.constexpr, FP8: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
+                 GROUPED: tl.constexpr, FP8_PV: tl.constexpr, INTERPRET: tl.constexpr, EDGE: tl.constexpr):
+    """One key tile's scores, softmax update and values: the running (m_i, l_i, acc) after keys
+    [tile * TILE_N, + TILE_N) of [kv_lo, kv_hi). GROUPED: an fp8 cache's values in their groups
+    (`kernels.kv_store.value_group`)."""
+    offs = tile * TILE_N + tl.arange(0, TILE_N)
+    key_ok = (offs >= kv_lo) & (offs < kv_hi)
+    block = tl.load(bt_row + offs // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
+    if GROUPED:  # each value group's first key and its block (none for a group out of the range)
+        gkey = tile * TILE_N + tl.arange(0, TILE_N // VALUE_GROUP) * VALUE_GROUP
+        g_ok = (gkey + VALUE_GROUP > kv_lo) & (gkey < kv_hi)
+        gblock = tl.load(bt_row + gkey // BLOCK_SIZE, mask=g_ok, other=0).to(tl.int64)
+    slot = offs % BLOCK_SIZE
+    k = tl.load(k_ptr + block[None, :] * stride_kb + slot[None, :] * stride_kt + kv_head * stride_kh
+                + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
+    if FP8:
+        k = k.to(q.dtype)
+    if DOT_F32:
+        k = k.to(tl.float32)
+    s = tl.dot(q, k, input_precision=PRECISION)  # [BLOCK_M, TILE_N], fp32
+    if USE_SOFTCAP:
+        x = s * (scale / softcap)
+        if HAS_HEAD_SCALE:
+            x = x * row_scale[:, None]
+        # softcap * tanh(x), tanh through exp2 (stable for both signs)
+        e = tl.exp2(-2.0 * 1.4426950408889634 * tl.abs(x))
+        t = (1.0 - e) / (1.0 + e)
+        s = tl.where(x < 0, -t, t) * (softcap * 1.4426950408889634)
+    else:
+        s = s * qk_scale
+        if HAS_HEAD_SCALE:
+            s = s * row_scale[:, None]
+    visible = key_ok[None, :] & (offs[None, :] <= pos[:, None])
+    if SLIDING_WINDOW > 0:
+        visible = visible & (offs[None, :] > pos[:, None] - SLIDING_WINDOW)
+    if CHUNK > 0:
+        visible = visible & (offs[None, :] >= (pos[:, None] // CHUNK) * CHUNK)
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
+    if FP8_PV:  # p (and so acc and l_i) x 256: see below
+        p = tl.exp2(s - (m_safe - 8.0)[:, None])
+    else:
+        p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if GROUPED:
+        # [HEAD_DIM_PAD, TILE_N] loaded as [dims, groups, VALUE_GROUP], 16 keys side by side. A group
+        # is read whole (a mask per key loads byte by byte), so the first and last group may bring
+        # slots out of [kv_lo, kv_hi): their p is 0, but the bytes may be anything, NaN included
+        # (a page that held another layer type's state), and 0 x NaN is NaN: made finite below.
+        j = tl.arange(0, VALUE_GROUP)
+        gs = (gkey % BLOCK_SIZE)[None, :, None] + j[None, None, :]
+        at = (v_ptr + gblock[None, :, None] * stride_vb
+              + value_offsets(gs, kv_head, dims[:, None, None], stride_vt, stride_vh, True))
+        vt = tl.load(at, mask=dim_ok[:, None, None] & g_ok[None, :, None], other=0.0)
+        if FP8_PV and EDGE:
+            # Only a first or last tile's groups straddle kv_lo or kv_hi: the others skip the select.
+            key = gkey[None, :, None] + j[None, None, :]
+            keep = (key >= kv_lo) & (key < kv_hi)
+            vt = tl.where(keep, vt.to(tl.uint8, bitcast=True), 0).to(vt.dtype, bitcast=True)
+        v = tl.trans(tl.reshape(vt, [HEAD_DIM_PAD, TILE_N]))
+    else:
+        v = tl.load(v_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vt + kv_head * stride_vh
+                    + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
+    if FP8_PV:
+        # The product in e4m3: twice the bf16 rate, and V reaches shared memory as stored, keys
+        # side by side as the fp8 product wants (a bf16 V would be stored there one value at a
+        # time). p in two e4m3 terms: hi, its fp16 value cut to e4m3's 3 mantissa bits (exact),
+        # and lo, the rest rounded; about 7 bits of p, near bf16's 8. p is scaled by 256 (acc and
+        # l_i with it: the output is unchanged) to keep values down to 2^-18 out of e4m3's
+        # subnormals. Both terms are >= 0 on purpose: with hi rounded to nearest, lo takes
+        # either sign, and the products came out wrong on the H200 at the wgmma tiles (Triton
+        # 3.6: relative error 0.8 to 5 where 2e-3 is right; not isolated further).
+        p16 = p.to(tl.float16)
+        hi16 = (p16.to(tl.int16, bitcast=True) & -128).to(tl.float16, bitcast=True)
+        hi = hi16.to(v.dtype)
+        lo = (p16 - hi16).to(v.dtype)
+        if INTERPRET:  # the interpreter multiplies e4m3 as bytes: the same values in fp32
+            hi, lo, v = hi.to(tl.float32), lo.to(tl.float32), v.to(tl.float32)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(hi, v, acc, input_precision=PRECISION)
+        acc = tl.dot(lo, v, acc, input_precision=PRECISION)
+    else:
+        if FP8:
+            v = v.to(q.dtype)
+        if GROUPED:
+            if INTERPRET:
+                v = tl.where(v == v, v, 0.0)
+            else:
+                # One max.f16x2 per two values (PTX's max returns the operand that is not NaN, and
+                # no e4m3 value is below -448): a select costs three instructions a value and is
+                # kept for the interpreter, whose maximum propagates NaN.
+                v = tl.maximum(v, tl.full(v.shape, -448.0, v.dtype))
+        if DOT_F32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    m_i = m_new
+    return m_i, l_i, acc
+
+
 # num_seqs changes every step: Triton would specialise it (== 1, divisible by 16) and compile again.
 @triton.jit(do_not_specialize=["num_seqs"])
 def _paged_attention_kernel(
@@ -67,7 +174,7 @@ def _paged_attention_kernel(
     SLIDING_WINDOW: tl.constexpr, CHUNK: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr, HAS_HEAD_SCALE: tl.constexpr, NUM_SPLITS: tl.constexpr, FP8: tl.constexpr,
     DOT_F32: tl.constexpr, F16_DOT: tl.constexpr, PRECISION: tl.constexpr, DECODE: tl.constexpr,
-    PDL: tl.constexpr,
+    GROUPED: tl.constexpr, FP8_PV: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
     pid_q = tl.program_id(0)
@@ -107,6 +214,7 @@ def _paged_attention_kernel(
     if FP8:
         scale = scale * tl.load(k_scale_ptr)
     qk_scale = scale * 1.4426950408889634  # softmax in base 2
+    row_scale = 1.0
     if HAS_HEAD_SCALE:
         row_scale = tl.load(head_scale_ptr + head, mask=row_ok, other=1.0).to(tl.float32)
 
@@ -129,55 +237,40 @@ def _paged_attention_kernel(
     if HAS_SINKS and split == 0:
         m_i = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32) * 1.4426950408889634
         l_i = tl.where(row_ok, 1.0, 0.0)
+        if FP8_PV:
+            l_i = l_i * 256.0
     else:
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
 
     bt_row = block_table_ptr + seq * stride_bt
-    for tile in range(tile_lo, tile_hi):
-        offs = tile * TILE_N + tl.arange(0, TILE_N)
-        key_ok = (offs >= kv_lo) & (offs < kv_hi)
-        block = tl.load(bt_row + offs // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
-        slot = offs % BLOCK_SIZE
-        k = tl.load(k_ptr + block[None, :] * stride_kb + slot[None, :] * stride_kt + kv_head * stride_kh
-                    + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
-        if FP8:
-            k = k.to(q.dtype)
-        if DOT_F32:
-            k = k.to(tl.float32)
-        s = tl.dot(q, k, input_precision=PRECISION)  # [BLOCK_M, TILE_N], fp32
-        if USE_SOFTCAP:
-            x = s * (scale / softcap)
-            if HAS_HEAD_SCALE:
-                x = x * row_scale[:, None]
-            # softcap * tanh(x), tanh through exp2 (stable for both signs)
-            e = tl.exp2(-2.0 * 1.4426950408889634 * tl.abs(x))
-            t = (1.0 - e) / (1.0 + e)
-            s = tl.where(x < 0, -t, t) * (softcap * 1.4426950408889634)
-        else:
-            s = s * qk_scale
-            if HAS_HEAD_SCALE:
-                s = s * row_scale[:, None]
-        visible = key_ok[None, :] & (offs[None, :] <= pos[:, None])
-        if SLIDING_WINDOW > 0:
-            visible = visible & (offs[None, :] > pos[:, None] - SLIDING_WINDOW)
-        if CHUNK > 0:
-            visible = visible & (offs[None, :] >= (pos[:, None] // CHUNK) * CHUNK)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new > float("-inf"), m_new, 0.0)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vt + kv_head * stride_vh
-                    + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
-        if FP8:
-            v = v.to(q.dtype)
-        if DOT_F32:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    # FP8_PV's first and last tiles are peeled off: they alone zero their values outside
+    # [kv_lo, kv_hi) (`_attend_tile`).
+    loop_lo = tile_lo
+    loop_hi = tile_hi
+    if FP8_PV:
+        if tile_hi > tile_lo:
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, tile_lo, kv_lo, kv_hi, pos, bt_row, k_ptr, v_ptr, kv_head, dims, dim_ok,
+                scale, qk_scale, softcap, row_scale, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                stride_vh, BLOCK_SIZE, TILE_N, HEAD_DIM_PAD, SLIDING_WINDOW, CHUNK, USE_SOFTCAP, HAS_HEAD_SCALE,
+                FP8, DOT_F32, PRECISION, GROUPED, FP8_PV, INTERPRET, True)
+        loop_lo = tile_lo + 1
+        loop_hi = tile_hi - 1
+    for tile in range(loop_lo, loop_hi):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, tile, kv_lo, kv_hi, pos, bt_row, k_ptr, v_ptr, kv_head, dims, dim_ok, scale,
+            qk_scale, softcap, row_scale, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            BLOCK_SIZE, TILE_N, HEAD_DIM_PAD, SLIDING_WINDOW, CHUNK, USE_SOFTCAP, HAS_HEAD_SCALE, FP8, DOT_F32,
+            PRECISION, GROUPED, FP8_PV, INTERPRET, False)
+    if FP8_PV:
+        if tile_hi - 1 > tile_lo:
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, tile_hi - 1, kv_lo, kv_hi, pos, bt_row, k_ptr, v_ptr, kv_head, dims, dim_ok,
+                scale, qk_scale, softcap, row_scale, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
+                stride_vh, BLOCK_SIZE, TILE_N, HEAD_DIM_PAD, SLIDING_WINDOW, CHUNK, USE_SOFTCAP, HAS_HEAD_SCALE,
+                FP8, DOT_F32, PRECISION, GROUPED, FP8_PV, INTERPRET, True)
 
     if FP8:
         acc = acc * tl.load(v_scale_ptr)
@@ -318,10 +411,10 @@ def _tiles(max_query_len: int, head_dim: int, gqa: int, block_size: int, sliding
 def default_config(max_query_len: int, head_dim: int, gqa: int, block_size: int, sliding_window: int = 0,
                    max_seq_len: int = 0, fp8: bool = False, fills_gpu: bool = True) -> dict:
     """The tiles (`_tiles`) and, for an e4m3 cache at decode, `F16_DOT`: the products in fp16, the
-    query cast to it, so that each cached byte takes one conversion instruction (e4m3x2 to f16x2;
-    to bf16 it takes three). Exact for the cache (every e4m3 value is an fp16 one) and finer than
-    bf16 for the probabilities; a query beyond fp16's range (65,504) would overflow. fp32 queries
-    keep fp32 products."""
+    query cast to it, so that each cached byte takes one conversion instruction (e4m3x2 to f16x2; to bf16 it
+    takes three). Exact for the cache (every e4m3 value is an fp16 one) and finer than bf16 for
+    the probabilities; a query beyond fp16's range (65,504) would overflow. fp32 queries keep
+    fp32 products."""
     cfg = _tiles(max_query_len, head_dim, gqa, block_size, sliding_window, max_seq_len, fp8, fills_gpu)
     if fp8 and max_query_len == 1:
         cfg["F16_DOT"] = True
@@ -354,6 +447,7 @@ def paged_attention(
         raise ValueError("q and kv_cache need a contiguous last dimension")
     check_scales(kv_cache, k_scale, v_scale)
     fp8 = is_fp8(kv_cache)
+    grouped = value_group(kv_cache) > 1
     gqa = num_q_heads // num_kv_heads
     num_seqs = seq_lens.shape[0]
     if out is None:
@@ -364,6 +458,12 @@ def paged_attention(
     cfg = config or default_config(max_query_len, head_dim, gqa, block_size, sliding_window, max_seq_len, fp8,
                                    fills_gpu=batch_fills_gpu(num_seqs, num_kv_heads, num_sms))
     block_m = cfg["BLOCK_M"]
+    if grouped and (kv_cache.stride(2), kv_cache.stride(3)) != (num_kv_heads * head_dim, head_dim):
+        raise ValueError(f"an fp8 cache needs each block's [block_size, heads, head_dim] contiguous, got strides "
+                         f"{tuple(kv_cache.stride())}")
+    if grouped and cfg["TILE_N"] % VALUE_GROUP.value:
+        raise ValueError(f"an fp8 cache's values come in groups of {VALUE_GROUP.value} keys: TILE_N must be a "
+                         f"multiple, got {cfg['TILE_N']}")
     block_q = max(1, block_m // gqa)
     if num_splits is None:
         # At D=512 each split's partial row is 2 KiB to merge: 8 splits at most (B=1, 600 keys,
@@ -397,7 +497,9 @@ def paged_attention(
         GQA=gqa, BLOCK_Q=block_q, BLOCK_M=block_m, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, TILE_N=cfg["TILE_N"], SLIDING_WINDOW=int(sliding_window), CHUNK=int(chunk_size),
         USE_SOFTCAP=bool(softcap), HAS_SINKS=sinks is not None, HAS_HEAD_SCALE=head_scale is not None,
-        NUM_SPLITS=num_splits, FP8=fp8, DOT_F32=_interpreter_bf16(q),
+        NUM_SPLITS=num_splits, FP8=fp8, DOT_F32=_interpreter_bf16(q), GROUPED=grouped,
+        FP8_PV=grouped and max_query_len > 1 and q.element_size() == 2 and cfg["TILE_N"] >= 32,
+        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
         F16_DOT=fp8 and q.element_size() == 2 and cfg.get("F16_DOT", False),
         # fp32 models (tests against transformers) get full-precision products, not TF32.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DECODE=decode, num_warps=cfg["num_warps"],

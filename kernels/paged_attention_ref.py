@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.kv_store import check_scales, is_fp8
+from kernels.kv_store import check_scales, is_fp8, value_group, values_view
 
 
 def paged_attention_ref(
@@ -68,7 +68,10 @@ def paged_attention_ref(
 
 def _gather(kv_cache: torch.Tensor, blocks: torch.Tensor, kv: int, slots: torch.Tensor) -> torch.Tensor:
     """K (kv=0) or V of the given positions; an fp8 cache's as bytes (not every torch build
-    indexes float8 tensors), then read back as e4m3."""
-    if is_fp8(kv_cache):
-        return kv_cache.view(torch.uint8)[blocks, kv, slots].view(kv_cache.dtype)
-    return kv_cache[blocks, kv, slots]
+    indexes float8 tensors), then read back as e4m3, its values from their groups."""
+    if not is_fp8(kv_cache):
+        return kv_cache[blocks, kv, slots]
+    if kv == 0:
+        return kv_cache.view(torch.uint8)[blocks, 0, slots].view(kv_cache.dtype)
+    g = value_group(kv_cache)
+    return values_view(kv_cache)[blocks, slots // g, :, :, slots % g].view(kv_cache.dtype)

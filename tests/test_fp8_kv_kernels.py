@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.kv_store import FP8_DTYPE, FP8_MAX, quantize_fp8_ref, store_kv, store_kv_ref
+from kernels.kv_store import FP8_DTYPE, FP8_MAX, quantize_fp8_ref, store_kv, store_kv_ref, value_group, values_view
 from kernels.paged_attention import _num_sms, batch_fills_gpu, default_config, paged_attention
 from kernels.paged_attention_ref import paged_attention_ref
 from tests.conftest import DEVICE
@@ -23,20 +23,34 @@ def _scales(g) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.tensor([k], device=DEVICE), torch.tensor([v], device=DEVICE))
 
 
+def usual_order(cache: torch.Tensor) -> torch.Tensor:
+    """An fp8 cache in float64 with its values back in the usual [slot, head, dim] order
+    (`kernels.kv_store.value_group`)."""
+    nb, _, bs, h, d = cache.shape
+    out = cache.view(torch.uint8).view(FP8_DTYPE).double()
+    out[:, 1] = values_view(cache).permute(0, 1, 4, 2, 3).reshape(nb, bs, h, d).view(FP8_DTYPE).double()
+    return out
+
+
 def fp8_case(seqs, num_q_heads, num_kv_heads, head_dim, block_size, dtype, **kw):
-    """`make_case`'s inputs with the cache in e4m3 (its NaN poison stays NaN) and its scales."""
+    """`make_case`'s inputs with the cache in e4m3 (its NaN poison stays NaN), values in their
+    groups, and its scales."""
     args, g = make_case(seqs, num_q_heads, num_kv_heads, head_dim, block_size, dtype, **kw)
     k_scale, v_scale = _scales(g)
     kv = args["kv_cache"].float() * 3.0  # spread over e4m3's exponents
+    nb, _, bs, h, d = kv.shape
     fp8 = torch.empty(kv.shape, dtype=FP8_DTYPE, device=DEVICE)
     fp8[:, 0] = quantize_fp8_ref(kv[:, 0], k_scale)
-    fp8[:, 1] = quantize_fp8_ref(kv[:, 1], v_scale)
+    gs = value_group(fp8)
+    values = quantize_fp8_ref(kv[:, 1], v_scale).view(torch.uint8)
+    values_view(fp8)[:] = values.view(nb, bs // gs, gs, h, d).permute(0, 1, 3, 4, 2)
     return dict(args, kv_cache=fp8, k_scale=k_scale, v_scale=v_scale), g
 
 
 def dequantized(args) -> dict:
-    """The same inputs in float64, the cache read as e4m3 x scale: the oracle's, with no fp8 path."""
-    kv = args["kv_cache"].double()
+    """The same inputs in float64, the cache read as e4m3 x scale in the usual order: the oracle's,
+    with no fp8 path."""
+    kv = usual_order(args["kv_cache"])
     kv[:, 0] *= args["k_scale"].double()
     kv[:, 1] *= args["v_scale"].double()
     return {**{k: v for k, v in args.items() if k not in ("k_scale", "v_scale")}, "q": args["q"].double(),
@@ -57,21 +71,34 @@ def check_fp8(args, tol=1e-2, **kw):
     assert err < tol, f"relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("gqa, head_dim, dtype, window, chunk, softcap, sinks", [
-    (4, 64, torch.bfloat16, 0, 0, 0.0, False),
-    (4, 64, torch.float16, 20, 0, 0.0, False),    # sliding window
-    (1, 64, torch.bfloat16, 20, 0, 50.0, False),  # softcap
-    (8, 64, torch.bfloat16, 0, 16, 0.0, False),   # local chunks
-    (8, 64, torch.bfloat16, 7, 0, 0.0, True),     # sinks + window
-    (4, 128, torch.float32, 0, 0, 30.0, True),    # fp32 queries (ieee products)
+@pytest.mark.parametrize("gqa, head_dim, dtype, window, chunk, softcap, sinks, block, tile", [
+    (4, 64, torch.bfloat16, 0, 0, 0.0, False, 8, 16),     # blocks of 8: values in the usual order
+    (4, 64, torch.bfloat16, 0, 0, 0.0, False, 16, 32),    # values in groups of 16, e4m3 products
+    (4, 64, torch.float16, 0, 0, 0.0, False, 16, 16),     # 16-key tiles: products in the query's dtype
+    (4, 64, torch.float16, 20, 0, 0.0, False, 16, 32),    # sliding window
+    (1, 64, torch.bfloat16, 20, 0, 50.0, False, 32, 32),  # softcap; blocks of 32
+    (8, 64, torch.bfloat16, 0, 16, 0.0, False, 48, 32),   # local chunks; blocks of three groups
+    (8, 64, torch.bfloat16, 7, 0, 0.0, True, 16, 32),     # sinks + window
+    (4, 128, torch.float32, 0, 0, 30.0, True, 24, 32),    # fp32 queries (ieee products); usual order
 ])
-def test_fp8_cache_mixed_batch_matches_float64_reference(gqa, head_dim, dtype, window, chunk, softcap, sinks):
-    """Prefills, decodes and prefix-continuing chunks in one launch."""
-    args, g = fp8_case(MIXED, 2 * gqa, 2, head_dim, 8, dtype, window=window, chunk=chunk)
-    kw = {"softcap": softcap, "config": small(gqa)}
+def test_fp8_cache_mixed_batch_matches_float64_reference(gqa, head_dim, dtype, window, chunk, softcap, sinks, block,
+                                                         tile):
+    """Prefills, decodes and prefix-continuing chunks in one launch; the slots outside each
+    sequence's range are NaN."""
+    args, g = fp8_case(MIXED, 2 * gqa, 2, head_dim, block, dtype, window=window, chunk=chunk)
+    kw = {"softcap": softcap, "config": dict(small(gqa), TILE_N=tile)}
     if sinks:
         kw["sinks"] = (torch.randn(2 * gqa, generator=g) * 2).to(DEVICE)
     check_fp8(args, **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, window", [(torch.bfloat16, 0), (torch.float16, 0), (torch.bfloat16, 100)])
+def test_fp8_prefill_default_tiles_match_float64_reference(dtype, window):
+    """Prefills at their default tiles, the products in e4m3 on the GPU's warpgroup MMA: the
+    interpreter runs this code on small tiles only, which compile to other instructions."""
+    args, _ = fp8_case([(0, 300), (200, 77), (0, 1), (33, 64)], 16, 8, 256, 16, dtype, window=window)
+    check_fp8(args, tol=5e-3)
 
 
 @pytest.mark.parametrize("splits", [1, 4])
@@ -120,9 +147,10 @@ def _store_inputs(n, heads, dim, dtype, k_scale, v_scale, g, exact: bool):
     return k.to(dtype), v.to(dtype)
 
 
-def _store_case(exact: bool, dtype=torch.bfloat16, seed=0):
+def _store_case(exact: bool, dtype=torch.bfloat16, seed=0, block=8):
+    """Blocks of 8 keep the values in the usual order, of 16 in their groups."""
     g = torch.Generator().manual_seed(seed)
-    n, heads, dim, block, num_blocks = 13, 2, 64, 8, 6
+    n, heads, dim, num_blocks = 13, 2, 64, 6
     # Power-of-two scales for `exact` (x / scale exact in every dtype), any for rounding.
     k_scale, v_scale = (0.125, 2.0) if exact else tuple((torch.rand(2, generator=g) + 0.05).tolist())
     k, v = _store_inputs(n, heads, dim, dtype, k_scale, v_scale, g, exact)
@@ -138,9 +166,10 @@ def _stored(fn, k, v, slots, scales, shape) -> torch.Tensor:
     return cache.view(torch.uint8).cpu()
 
 
-def test_store_ref_quantizes_saturates_and_skips_hits():
-    k, v, slots, scales, shape = _store_case(exact=False, dtype=torch.float32)
-    got = _stored(store_kv_ref, k, v, slots, scales, shape).view(FP8_DTYPE).float()
+@pytest.mark.parametrize("block", [8, 16])
+def test_store_ref_quantizes_saturates_and_skips_hits(block):
+    k, v, slots, scales, shape = _store_case(exact=False, dtype=torch.float32, block=block)
+    got = usual_order(_stored(store_kv_ref, k, v, slots, scales, shape).view(FP8_DTYPE))
     k, v, scales = k.cpu(), v.cpu(), [s.cpu() for s in scales]  # `_stored` hands the cache back on the CPU
     for t, s in enumerate(slots.tolist()):
         blk, off = divmod(s, shape[2])
@@ -158,10 +187,11 @@ def test_store_ref_quantizes_saturates_and_skips_hits():
     assert all(u.isnan().all() for u in unwritten), "a slot of -1 (or an unlisted one) was written"
 
 
-def test_store_kernel_scales_and_saturates_like_the_reference():
+@pytest.mark.parametrize("block", [8, 16])
+def test_store_kernel_scales_and_saturates_like_the_reference(block):
     """Values that need no rounding (see the module's note): the kernel's division by the scale,
     its saturation and its slots, byte for byte."""
-    k, v, slots, scales, shape = _store_case(exact=True)
+    k, v, slots, scales, shape = _store_case(exact=True, block=block)
     torch.testing.assert_close(_stored(store_kv, k, v, slots, scales, shape),
                                _stored(store_kv_ref, k, v, slots, scales, shape), rtol=0, atol=0)
 
@@ -171,7 +201,7 @@ def test_store_kernel_scales_and_saturates_like_the_reference():
 def test_store_kernel_rounds_like_the_reference(dtype):
     """Random values over many exponents, random scales: the same e4m3 bytes (round to nearest
     even, div_rn) as the torch reference."""
-    k, v, slots, scales, shape = _store_case(exact=False, dtype=dtype, seed=3)
+    k, v, slots, scales, shape = _store_case(exact=False, dtype=dtype, seed=3, block=16)
     torch.testing.assert_close(_stored(store_kv, k, v, slots, scales, shape),
                                _stored(store_kv_ref, k, v, slots, scales, shape), rtol=0, atol=0)
 
