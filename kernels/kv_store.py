@@ -166,7 +166,7 @@ def write_kv_part(cache_ptr, slot, h, cols, mask, x, scale_ptr, sc_b, sc_kv, sc_
     The block index is int64: no overflow past 2^31 elements."""
     slot = slot.to(tl.int64)
     s = slot % block_size
-    if FP8 and KV == 1:
+    if FP8 and KV == 1:  # grouped exactly where `value_group` says (block_size is not a constexpr)
         off = value_offsets(s, h[:, None], cols[None, :], sc_s, sc_h, block_size % VALUE_GROUP == 0)
     else:
         off = value_offsets(s, h[:, None], cols[None, :], sc_s, sc_h, False)
