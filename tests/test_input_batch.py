@@ -4,7 +4,9 @@ driven by the real scheduler: requests joining and finishing, aborted, preempted
 chunked (a small token budget), with and without overlapped scheduling, as eager inputs and as
 the padded inputs a decode CUDA graph reads. Block tables are compared where a step reads them
 (entries the manager nulled may be stale in the batch: the invariant says nothing reads them),
-and the invariant itself is asserted by the batch's debug checks on every step."""
+and the invariant itself is asserted by the batch's debug checks on every step. The decode
+graphs' one-launch kernel (`kernels.decode_inputs`) gives exactly what the torch path gives, on
+some of those steps and on random tables."""
 from __future__ import annotations
 
 import random
@@ -16,15 +18,37 @@ from distengine.model_config import FULL, MAMBA, SLIDING, MambaShape
 from distengine.sampling_params import SamplingParams
 from distengine.scheduler import EngineRequest, Scheduler
 from distengine.step import NewRequest, RequestSampling, ScheduledRequest, StepOutput
+from kernels.decode_inputs import decode_inputs
 from tests.helpers import plan_of
 from workers.input_batch import InputBatch
 from tests.reference_inputs import SeqStep, prepare_inputs
 
 VOCAB = 97
 GRAPH_SIZES = [1, 2, 4, 6]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _check(batch: InputBatch, step, plan, sched: Scheduler, truth: dict[str, list[int]]) -> None:
+def _kernel_matches_torch(batch: InputBatch, size: int) -> None:
+    """`kernels.decode_inputs` on the batch's state (on DEVICE) equals the torch path, every
+    element of every output (whole block-table rows, padded entries included)."""
+    want = batch.decode_inputs_torch(size)
+    groups = batch.tables.mamba_groups
+    got = decode_inputs(batch.static[0, :size].to(DEVICE), batch.static[1, :size].to(DEVICE),
+                        batch.last_token.to(DEVICE), batch.tables.tables.to(DEVICE),
+                        None if groups is None else groups.to(DEVICE), batch.block_size)
+    m = want.metadata
+    assert torch.equal(got.input_ids.cpu(), want.input_ids) and torch.equal(got.positions.cpu(), want.positions)
+    assert torch.equal(got.slot_mappings.cpu(), m.slot_mappings)
+    assert torch.equal(got.block_tables.cpu(), m.block_tables)
+    if m.mamba is None:
+        assert got.init_pages is None and got.write_pages is None
+    else:
+        assert torch.equal(got.init_pages.cpu(), m.mamba.init_pages)
+        assert torch.equal(got.write_pages.cpu(), m.mamba.write_pages)
+
+
+def _check(batch: InputBatch, step, plan, sched: Scheduler, truth: dict[str, list[int]],
+           check_kernel: bool = False) -> None:
     bs = batch.block_size
     seqs = [SeqStep(truth[s.req_id][s.num_computed_tokens:s.num_computed_tokens + s.num_new_tokens],
                     s.num_computed_tokens, [list(t) for t in sched.manager.get_block_ids(s.req_id)], s.sample)
@@ -35,6 +59,8 @@ def _check(batch: InputBatch, step, plan, sched: Scheduler, truth: dict[str, lis
     if step.graph_size is not None:
         size = step.graph_size
         g = batch.decode_inputs(size)
+        if check_kernel:
+            _kernel_matches_torch(batch, size)
         g_ids, g_pos, g_meta = g.input_ids, g.positions, g.metadata
         assert torch.equal(g_ids[:S], ids) and torch.equal(g_pos[:S], pos)
         assert (g_meta.seq_lens[S:] == 0).all() and (g_meta.slot_mappings[:, S:] == -1).all()
@@ -111,7 +137,7 @@ def test_persistent_batch_equals_plain_flattening(seed, overlap, layout):
         if plan.scheduled:
             step = batch.prepare(plan.scheduled, GRAPH_SIZES if rng.random() < 0.7 else None)
             graphs += step.graph_size is not None
-            _check(batch, step, plan, sched, truth)
+            _check(batch, step, plan, sched, truth, check_kernel=graphs % 10 == 1)
             tokens = [rng.randrange(VOCAB) for _ in step.sample_req_ids]
             batch.record_sampled(step, torch.tensor(tokens, dtype=torch.int64), penalties=False)
             for rid, t in zip(step.sample_req_ids, tokens):
@@ -146,3 +172,37 @@ def test_bad_steps_are_refused():
     batch.add(NewRequest("b", [[3]], RequestSampling()))
     with pytest.raises(ValueError, match="the batch is full"):
         batch.add(NewRequest("c", [[4]], RequestSampling()))
+
+
+@pytest.mark.parametrize("groups,mamba,width", [(1, [], 8), (3, [1], 2048 + 12), (4, [0, 2], 40)])
+def test_decode_inputs_kernel_on_random_tables(groups, mamba, width):
+    """Random tables with null entries, positions 0 (no state to read) up to the last entry,
+    rows repeated and the padding row: the kernel equals the torch formulas element for element;
+    bad shapes are refused."""
+    g = torch.Generator().manual_seed(groups * 100 + width)
+    R, S, B = 7, 9, 4
+    tables = torch.randint(0, 50, (groups, R, width), generator=g, dtype=torch.int32)
+    tables[:, R - 1] = 0  # the padding row
+    rows = torch.randint(0, R, (S,), generator=g, dtype=torch.int32)
+    rows[-1] = R - 1
+    pos = torch.randint(0, width * B, (S,), generator=g, dtype=torch.int32)
+    pos[0], pos[-1] = 0, 0
+    last = torch.randint(0, 1000, (R,), generator=g, dtype=torch.int64)
+    mg = torch.tensor(mamba, dtype=torch.int64) if mamba else None
+    got = decode_inputs(rows.to(DEVICE), pos.to(DEVICE), last.to(DEVICE), tables.to(DEVICE),
+                        None if mg is None else mg.to(DEVICE), B)
+    r, p = rows.long(), pos.long()
+    blocks = tables[:, r, p // B].long()
+    assert torch.equal(got.input_ids.cpu(), last[r]) and torch.equal(got.positions.cpu(), p)
+    assert torch.equal(got.slot_mappings.cpu(), torch.where(blocks > 0, blocks * B + p % B, -1))
+    assert torch.equal(got.block_tables.cpu(), tables[:, r])
+    if mg is None:
+        assert got.init_pages is None
+    else:
+        init = torch.where(p > 0, tables[mg[:, None], r[None, :], ((p - 1) // B).clamp_min(0)[None, :]], 0)
+        assert torch.equal(got.init_pages.cpu(), init)
+        assert torch.equal(got.write_pages.cpu(), tables[mg[:, None], r[None, :], (p // B)[None, :]])
+    with pytest.raises(ValueError, match="int32"):
+        decode_inputs(rows.long().to(DEVICE), pos.to(DEVICE), last.to(DEVICE), tables.to(DEVICE), None, B)
+    with pytest.raises(ValueError, match="last_token"):
+        decode_inputs(rows.to(DEVICE), pos.to(DEVICE), last[:-1].to(DEVICE), tables.to(DEVICE), None, B)

@@ -23,6 +23,7 @@ import torch
 
 from distengine.kv_cache.plan import KVCachePlan
 from distengine.step import NewRequest, RequestSampling, ScheduledRequest
+from kernels.decode_inputs import decode_inputs
 from kernels.mamba_ssd import SSD_MAX_CHUNK
 from workers.block_tables import BlockTables, StagedAppends
 from workers.layers.attention import AttentionMetadata
@@ -232,7 +233,22 @@ class InputBatch:
     # ---- model inputs ----------------------------------------------------------------------
     def decode_inputs(self, size: int) -> ModelInputs:
         """A decode batch of `size` sequences (one token each) read from the fixed region and the
-        device state alone: what a CUDA graph captures. Padded entries use the padding row."""
+        device state alone: what a CUDA graph captures. Padded entries use the padding row. On a
+        GPU one kernel derives them (`kernels.decode_inputs`); `decode_inputs_torch` is its
+        reference."""
+        if self.device.type != "cuda":
+            return self.decode_inputs_torch(size)
+        d = decode_inputs(self.static[0, :size], self.static[1, :size], self.last_token, self.tables.tables,
+                          self.tables.mamba_groups, self.block_size)
+        mamba = MambaMetadata(d.init_pages, d.write_pages) if d.init_pages is not None else None
+        meta = AttentionMetadata(query_start_loc=self.arange[:size + 1], seq_lens=self.static[2, :size],
+                                 max_query_len=1, max_seq_len=self.max_model_len, slot_mappings=d.slot_mappings,
+                                 block_tables=d.block_tables, mamba=mamba)
+        return ModelInputs(d.input_ids, d.positions, meta)
+
+    def decode_inputs_torch(self, size: int) -> ModelInputs:
+        """`decode_inputs` through torch: the block tables' and Mamba pages' rules as eager steps
+        apply them."""
         rows = self.static[0, :size].long()
         pos = self.static[1, :size].long()
         meta = AttentionMetadata(query_start_loc=self.arange[:size + 1], seq_lens=self.static[2, :size],

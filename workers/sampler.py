@@ -432,6 +432,8 @@ def sample(logits: Tensor, t: SamplingTensors) -> SamplerOutput:
             x = apply_penalties(x, t)
     elif t.any_penalties:
         x = apply_penalties(logits, t)
+    elif t.all_greedy and not (t.want_logprobs or t.num_logprobs > 0):
+        x = logits  # argmax alone: the same token in the logits' dtype (fp32 holds each value exactly)
     else:
         x = logits.to(torch.float32)  # may alias `logits`: only out-of-place ops on x below
 

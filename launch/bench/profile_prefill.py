@@ -3,6 +3,7 @@ time by kind of kernel (matrix products, attention, the rest), and the matrix pr
 against the product rate measured in the same run.
 
     python -m launch.bench.profile_prefill MODEL_DIR [--tokens 2048 8192] [--input-len 512] [--load-format dummy]
+        [--top 12]
 
 Each case queues enough prompts of --input-len tokens that every profiled step is a full prefill
 step of --tokens tokens (max_num_batched_tokens), with no decodes beside it.
@@ -46,6 +47,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--load-format", default="auto")
+    p.add_argument("--top", type=int, default=12, help="kernels listed per case")
     args = p.parse_args()
     rate = matmul_rate("cuda")
     print(f"product rate {rate / 1e12:.0f} TFLOP/s (bf16, same run)")
@@ -87,7 +89,7 @@ def main() -> int:
             for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
                 extra = f"  ({flops / (ms / 1e3) / 1e12:.0f} TFLOP/s)" if kind == "matrix products" else ""
                 print(f"  {kind:18} {ms:7.2f} ms{extra}")
-            for e in sorted(events, key=device_us, reverse=True)[:12]:
+            for e in sorted(events, key=device_us, reverse=True)[:args.top]:
                 print(f"  {device_us(e) / steps / 1e3:7.3f} ms  x{e.count / steps:5.0f}  {e.key[:90]}")
             core.abort([f"{tokens}-{i}" for i in range(n)])
             while core.scheduler.has_in_flight() or core.has_unfinished():
