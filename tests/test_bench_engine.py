@@ -168,3 +168,21 @@ def test_a_shape_cut_to_its_first_layers_runs_with_dummy_weights(tmp_path, capsy
     assert math.isfinite(json.loads(out.read_text())["results"][0]["decode_step_s"])
     assert main(args[:2] + ["--model", str(folder), "--num-layers", "4", "--device", "cpu"]) == 2
     assert "--num-layers changes a random model of --shape" in capsys.readouterr().err
+
+
+def test_marginal_costs_split_the_span_between_kernels():
+    """`profile_decode --marginal`: each kernel adds the time from the end of the kernel before to
+    its own end (nothing when it ends first, an idle gap with its duration); the shares add up to
+    the span, per step, by name and grid."""
+    from launch.bench.profile_decode import marginal_costs
+    ev = [dict(name="a", ts=0.0, dur=10.0, args=dict(grid=[4, 1, 1])),
+          dict(name="b", ts=8.0, dur=5.0, args=dict(grid=[1, 1, 1])),    # overlaps a (PDL): adds 3
+          dict(name="c", ts=9.0, dur=2.0, args=dict(grid=[1, 1, 1])),    # ends inside b: adds 0
+          dict(name="a", ts=20.0, dur=10.0, args=dict(grid=[4, 1, 1])),  # after a gap of 7: adds 17
+          dict(name="a", ts=30.0, dur=4.0, args=dict(grid=[8, 1, 1]))]   # another grid
+    costs = {(c.name, c.grid): c for c in marginal_costs(ev, steps=2)}
+    assert costs["a", (4, 1, 1)].marginal_us == 13.5 and costs["a", (4, 1, 1)].launches == 1.0
+    assert costs["b", (1, 1, 1)].marginal_us == 1.5 and costs["c", (1, 1, 1)].marginal_us == 0.0
+    assert costs["a", (8, 1, 1)].busy_us == 2.0
+    assert sum(c.marginal_us for c in costs.values()) * 2 == 34.0
+    assert marginal_costs(ev, 2)[0].name == "a"

@@ -2,16 +2,22 @@
 take the time, and the step time without the profiler.
 
     python -m launch.bench.profile_decode MODEL_DIR [--batch 1 128] [--load-format dummy] [--quantization fp8]
-        [--tp 1] [--eager] [--top 10]
+        [--tp 1] [--eager] [--top 10] [--marginal]
 
 With programmatic dependent launch (kernels/pdl.py, on Hopper) a kernel starts before the one
 before it ends and its time includes that wait, so the kernels' times add up to more than the
-step: run with DISTENGINE_PDL=0 for each kernel's own time.
+step: run with DISTENGINE_PDL=0 for each kernel's own time, or `--marginal` for what each kind
+of kernel adds to the step as it runs, PDL on: the time from the end of the kernel before to its
+own end (`marginal_costs`; the sum is the profiled span), by kernel and grid.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import tempfile
 import time
+from dataclasses import dataclass
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -25,6 +31,42 @@ def device_us(e) -> float:
     return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
 
 
+@dataclass
+class KernelCost:
+    """One kind of kernel (name and grid) in the profiled steps, per step."""
+    name: str
+    grid: tuple[int, ...]
+    launches: float
+    marginal_us: float  # what it adds to the span: from the previous kernel's end to its own
+    busy_us: float      # its kernels' own durations (with PDL, including their waits)
+
+
+def marginal_costs(kernels: list[dict], steps: int) -> list[KernelCost]:
+    """`kernels`: a chrome trace's kernel events (name, ts, dur in us, args.grid) of `steps`
+    steps, largest marginal cost first. A kernel that ends before one started earlier adds
+    nothing; after an idle gap it adds the gap and its duration."""
+    costs: dict[tuple[str, tuple[int, ...]], list[float]] = {}
+    end = None
+    for e in sorted(kernels, key=lambda e: e["ts"]):
+        stop = e["ts"] + e["dur"]
+        added = e["dur"] if end is None else max(0.0, stop - end)
+        end = stop if end is None else max(end, stop)
+        c = costs.setdefault((e["name"], tuple(e.get("args", {}).get("grid", ()))), [0, 0.0, 0.0])
+        c[0] += 1
+        c[1] += added
+        c[2] += e["dur"]
+    out = [KernelCost(name, grid, n / steps, m / steps, b / steps) for (name, grid), (n, m, b) in costs.items()]
+    return sorted(out, key=lambda c: -c.marginal_us)
+
+
+def _kernel_events(prof) -> list[dict]:
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("model")
@@ -35,6 +77,7 @@ def main() -> int:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--eager", action="store_true")
     p.add_argument("--top", type=int, default=10, help="kernels listed per batch")
+    p.add_argument("--marginal", action="store_true", help="each kind of kernel's share of the step's span")
     args = p.parse_args()
     with LLM(args.model, tensor_parallel_size=args.tp, load_format=args.load_format, max_model_len=1024,
              enforce_eager=args.eager, quantization=args.quantization) as llm:
@@ -67,6 +110,12 @@ def main() -> int:
                   f"per step in ~{launches:.0f} kernels (with PDL it includes their waits)")
             for e in sorted(events, key=device_us, reverse=True)[:args.top]:
                 print(f"  {device_us(e) / 20 / 1e3:7.3f} ms  x{e.count / 20:5.0f}  {e.key[:90]}")
+            if args.marginal:
+                costs = marginal_costs(_kernel_events(prof), 20)
+                print(f"  share of the span, per step: {sum(c.marginal_us for c in costs) / 1e3:.3f} ms")
+                for c in costs[:args.top]:
+                    print(f"  {c.marginal_us / 1e3:7.3f} ms  x{c.launches:5.0f}  grid {str(c.grid):14} "
+                          f"(own {c.busy_us / 1e3:.3f} ms)  {c.name[:60]}")
             core.abort([r.request_id for r in reqs])
             while core.scheduler.has_in_flight() or core.has_unfinished():
                 core.step()
