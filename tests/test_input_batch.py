@@ -139,7 +139,12 @@ def test_persistent_batch_equals_plain_flattening(seed, overlap, layout):
             graphs += step.graph_size is not None
             _check(batch, step, plan, sched, truth, check_kernel=graphs % 10 == 1)
             tokens = [rng.randrange(VOCAB) for _ in step.sample_req_ids]
-            batch.record_sampled(step, torch.tensor(tokens, dtype=torch.int64), penalties=False)
+            if rng.random() < 0.5:
+                batch.record_sampled(step, torch.tensor(tokens, dtype=torch.int64), penalties=False)
+            else:  # a greedy step: the argmax of logits that peak at the tokens, recorded in one pass
+                logits = torch.zeros(len(tokens), VOCAB, dtype=torch.bfloat16)
+                logits[range(len(tokens)), tokens] = 1.0
+                assert batch.pick_greedy(step, logits).tolist() == tokens
             for rid, t in zip(step.sample_req_ids, tokens):
                 if rid in sched.requests or any(rid == s.req_id for s in plan.scheduled):
                     truth[rid].append(t)

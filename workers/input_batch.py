@@ -28,6 +28,7 @@ from kernels.mamba_ssd import SSD_MAX_CHUNK
 from workers.block_tables import BlockTables, StagedAppends
 from workers.layers.attention import AttentionMetadata
 from workers.mamba_metadata import MambaMetadata, decode_metadata, plan_chunks, prefill_metadata
+from workers.ops import greedy_pick_op
 from workers.sampler import SamplingTensors
 from workers.sampling_state import SamplingState, StagedRows
 from workers.staging import ALIGN, Section, Staging, round_up
@@ -307,8 +308,7 @@ class InputBatch:
         """`masks`: the grammar bitmasks of some sampling rows (by request id). They travel in a
         staging buffer of their own: a step's masks may come after the next step's inputs were
         packed (the step sampled late)."""
-        rows = self.staging.view(step.staged.sample_rows).long()
-        t = self.sampling.tensors(rows, step.sample_rows_np, generator)
+        t = self.sampling.tensors(self.staging.view(step.staged.sample_rows), step.sample_rows_np, generator)
         if masks:
             words = -(-self.vocab_size // 32)
             out = np.full((len(step.sample_req_ids), words), -1, dtype=np.int32)  # no grammar: any token
@@ -336,6 +336,14 @@ class InputBatch:
         self.last_token[rows] = tokens
         self.sampling.record_sampled(rows, tokens, penalties, history)
         self.has_sampled[step.sample_rows_np] = True
+
+    def pick_greedy(self, step: StepInputs, logits: torch.Tensor) -> torch.Tensor:
+        """Each sampling row's argmax of `logits`, recorded as `record_sampled` records a token
+        (no penalties or history: `SamplingTensors.argmax_only`), in two launches on a GPU."""
+        tokens = greedy_pick_op(logits, self.staging.view(step.staged.sample_rows), self.last_token,
+                                self.sampling.output_token_count)
+        self.has_sampled[step.sample_rows_np] = True
+        return tokens
 
     def table_rows(self, req_id: str) -> list[list[int]]:
         """A request's tables as this batch holds them (tests)."""

@@ -280,8 +280,12 @@ class ModelRunner:
         batch = self.batch
         with torch.no_grad():
             t = batch.sampling_tensors(step, self.generator, masks.masks if masks is not None else None)
-            out = sample(logits, t)
-            batch.record_sampled(step, out.token_ids, t.any_penalties, t.adjust is not None and t.adjust.reads_history)
+            if t.argmax_only:
+                out = SamplerOutput(token_ids=batch.pick_greedy(step, logits))
+            else:
+                out = sample(logits, t)
+                batch.record_sampled(step, out.token_ids, t.any_penalties,
+                                     t.adjust is not None and t.adjust.reads_history)
         done = {rid: self.prompt_logprobs.pop(rid) for rid in step.sample_req_ids
                 if rid in self.prompt_logprobs and self.prompt_logprobs[rid].complete}
         if self.tp.rank != 0:

@@ -11,6 +11,7 @@ from kernels.fp8 import dequantize_fp8, dequantize_fp8_ref
 from kernels.fused_moe import fused_experts, fused_experts_ref
 from kernels.fused_moe_mxfp4 import fused_experts_mxfp4, fused_experts_mxfp4_ref
 from kernels.gated_delta import gated_delta_update, gated_delta_update_ref, gated_delta_varlen, gated_delta_varlen_ref
+from kernels.greedy_pick import greedy_pick, greedy_pick_ref
 from kernels.gemv import FP8_SKINNY_MAX_ROWS, SKINNY_MAX_ROWS, fuses_gated_norm, gemv, skinny_gemm
 from kernels.layernorm import rms_norm, rms_norm_ref
 from kernels.mamba_conv import (ConvStep, causal_conv1d_update, causal_conv1d_update_ref, causal_conv1d_varlen,
@@ -51,6 +52,7 @@ selective_scan_varlen_op = _pick(selective_scan_varlen, selective_scan_varlen_re
 selective_scan_update_op = _pick(selective_scan_update, selective_scan_update_ref)
 gated_delta_varlen_op = _pick(gated_delta_varlen, gated_delta_varlen_ref)
 gated_delta_update_op = _pick(gated_delta_update, gated_delta_update_ref)
+greedy_pick_op = _pick(greedy_pick, greedy_pick_ref)
 
 
 def fused_experts_op(x: torch.Tensor, w13, w2, topk_weights, topk_ids, act_and_mul, *a, **k) -> torch.Tensor:
@@ -184,6 +186,6 @@ __all__ = ["linear_op", "fp8_linear_op", "rms_norm_op", "rotary_op", "store_kv_o
            "qk_norm_rope_op",
            "act_and_mul", "ungated_act", "causal_conv1d_varlen_op", "causal_conv1d_update_op", "ssd_scan_varlen_op",
            "selective_state_update_op", "selective_scan_varlen_op", "selective_scan_update_op",
-           "gated_norm_op", "gated_delta_varlen_op", "gated_delta_update_op",
+           "gated_norm_op", "gated_delta_varlen_op", "gated_delta_update_op", "greedy_pick_op",
            "fused_experts_op", "topk_softmax_op", "topk_sigmoid_op", "topk_sigmoid_grouped_op", "swiglu_oai_op",
            "torch"]

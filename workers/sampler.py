@@ -225,6 +225,14 @@ class SamplingTensors:
     # [N, ceil(V / 32)] int32: bit j of word w allows token 32 w + j (rows without a grammar: all set)
     token_bitmask: Tensor | None = None
 
+    @property
+    def argmax_only(self) -> bool:
+        """Every row takes its argmax and nothing more is asked (no logprobs, penalties, grammar
+        masks or logit adjustments): the runner then picks and records the tokens in one pass
+        (`kernels.greedy_pick`)."""
+        return self.all_greedy and not (self.want_logprobs or self.num_logprobs > 0 or self.any_penalties) and \
+            self.adjust is None and self.token_bitmask is None
+
     @classmethod
     def build(cls, params: list[RequestSampling], prompt_token_ids: list[list[int]],
               output_token_ids: list[list[int]], vocab_size: int, device,

@@ -125,15 +125,22 @@ class SamplingState:
                 self.output_counts.index_put_((pairs[0], pairs[1]), torch.ones_like(pairs[0], dtype=torch.int32),
                                               accumulate=True)
 
-    def tensors(self, rows: torch.Tensor, rows_np: np.ndarray, generator: torch.Generator | None) -> SamplingTensors:
-        """The sampler's inputs for the rows that sample this step (`rows` on the device, the same
-        on the host); a tensor no flag asks for is left empty."""
+    def tensors(self, rows32: torch.Tensor, rows_np: np.ndarray, generator: torch.Generator | None) -> SamplingTensors:
+        """The sampler's inputs for the rows that sample this step (`rows32` on the device, int32,
+        the same on the host); a tensor no flag asks for is left empty, and a step that reads no
+        row's state (all greedy, say) launches nothing here."""
         flags = self.flags.batch(rows_np)
         empty = torch.empty(len(rows_np), device=self.device)
         pen = flags["any_penalties"]
+        long_rows: list[torch.Tensor] = []
+
+        def rows() -> torch.Tensor:  # (cast once, when some tensor is read)
+            if not long_rows:
+                long_rows.append(rows32.long())
+            return long_rows[0]
 
         def take(t: torch.Tensor, need: bool) -> torch.Tensor:
-            return t[rows] if need else empty
+            return t[rows()] if need else empty
 
         f, i, seeded = self.f32, self.i64, flags["any_seeded"]
         adjusting = np.flatnonzero(self.flags.adjusts[rows_np])
@@ -141,7 +148,7 @@ class SamplingState:
         if adjusting.size:
             records = [(int(k), self._records[int(rows_np[k])]) for k in adjusting]
             reads = any(r.reads_outputs for _, r in records)
-            adjust = LogitAdjustments.build(records, self.device, self.history[rows] if reads else None)
+            adjust = LogitAdjustments.build(records, self.device, self.history[rows()] if reads else None)
         return SamplingTensors(
             temperature=take(f["temperature"], not flags["all_greedy"]), top_k=take(i["top_k"], flags["any_top_k"]),
             top_p=take(f["top_p"], flags["any_top_p"]), min_p=take(f["min_p"], flags["any_min_p"]),
@@ -149,8 +156,13 @@ class SamplingState:
             repetition_penalty=take(f["repetition_penalty"], pen), seeds=take(i["seed"], seeded),
             has_seed=take(i["has_seed"], seeded).bool() if seeded else empty,
             output_token_counts=take(i["output_token_count"], seeded or adjust is not None),
-            prompt_mask=self.prompt_mask[rows] if pen and self.flags.reads_prompt[rows_np].any() else None,
-            output_counts=self.output_counts[rows] if pen else None, generator=generator, adjust=adjust, **flags)
+            prompt_mask=self.prompt_mask[rows()] if pen and self.flags.reads_prompt[rows_np].any() else None,
+            output_counts=self.output_counts[rows()] if pen else None, generator=generator, adjust=adjust, **flags)
+
+    @property
+    def output_token_count(self) -> torch.Tensor:
+        """[R] int64: the tokens each row's request has produced."""
+        return self.i64["output_token_count"]
 
     def record_sampled(self, rows: torch.Tensor, tokens: torch.Tensor, penalties: bool, history: bool) -> None:
         """`history`: some row of the step reads its ring (bad words), which every row's sampled
