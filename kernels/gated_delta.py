@@ -379,9 +379,9 @@ def _gdn_update_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, out
                        K, V, v_per_k, scale,
                        sq_s, sq_h, sk_s, sk_h, sv_s, sv_h, sa_s, sb_s, so_s, so_h, st_page, st_h, st_k,
                        BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
-    # The pages and the state are read before the PDL wait: the step's metadata and the previous
-    # step's state come from kernels at least two launches back, done by then (kernels/pdl.py);
-    # the projection and conv just before write neither.
+    # The pages, the state and the layer's weights are read before the PDL wait: the step's
+    # metadata and the previous step's state come from kernels at least two launches back, done
+    # by then (kernels/pdl.py); the projection and conv just before write neither.
     s = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     hk = h // v_per_k
@@ -395,6 +395,8 @@ def _gdn_update_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, out
     st_off = h * st_h + kk[:, None] * st_k + vv[None, :]
     ok = m2 & (tl.zeros(m2.shape, tl.int64) + src > 0)  # (the interpreter rejects mask & scalar)
     state = tl.load(state_ptr + src * st_page + st_off, mask=ok, other=0.0).to(tl.float32)
+    neg_A = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))  # (weights: before the wait too)
+    dt_b = tl.load(dtb_ptr + h).to(tl.float32)
     pdl_wait(PDL)
 
     q = tl.load(q_ptr + s * sq_s + hk * sq_h + kk, mask=km, other=0.0).to(tl.float32)
@@ -404,7 +406,7 @@ def _gdn_update_kernel(q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, out
     k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
     a = tl.load(a_ptr + s * sa_s + h).to(tl.float32)
     b = tl.load(b_ptr + s * sb_s + h).to(tl.float32)
-    g = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * _softplus(a + tl.load(dtb_ptr + h).to(tl.float32))
+    g = neg_A * _softplus(a + dt_b)
     beta = _beta(b, b_ptr.dtype.element_ty)
 
     state = state * tl.exp(g)

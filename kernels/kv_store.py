@@ -175,18 +175,18 @@ def write_kv_part(cache_ptr, slot, h, cols, mask, x, scale_ptr, sc_b, sc_kv, sc_
 
 
 @triton.jit
-def load_kv_write(slot_ptr, v_ptr, t, h, n_kv_heads, sv_t, sv_h, head_dim, BLOCK_H: tl.constexpr,
+def load_kv_write(slot, v_ptr, t, h, n_kv_heads, sv_t, sv_h, head_dim, BLOCK_H: tl.constexpr,
                   BLOCK_D: tl.constexpr):
-    """What a launch that stores token t's K/V reads first, so that these loads overlap its own
-    chain: the slot, the mask of the heads h to store [BLOCK_H, 1] (none for slot -1, a prefix-cache
-    hit already cached), the values' mask and the values [BLOCK_H, BLOCK_D]."""
-    slot = tl.load(slot_ptr + t)
+    """What a launch that stores token t's K/V at `slot` (read before its PDL wait: a step's
+    input) reads first, so that these loads overlap its own chain: the mask of the heads h to
+    store [BLOCK_H, 1] (none for slot -1, a prefix-cache hit already cached), the values' mask and
+    the values [BLOCK_H, BLOCK_D]."""
     # (the interpreter rejects mask & scalar)
     hk = (h[:, None] < n_kv_heads) & (tl.zeros([BLOCK_H, 1], tl.int64) + slot >= 0)
     d = tl.arange(0, BLOCK_D)
     vm = hk & (d[None, :] < head_dim)
     v = tl.load(v_ptr + t * sv_t + h[:, None] * sv_h + d[None, :], mask=vm)
-    return slot, hk, vm, v
+    return hk, vm, v
 
 
 @triton.jit

@@ -30,16 +30,22 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, pre_w_ptr, out_ptr, new_res_ptr, n_c
                      sx, sr, so, snr,
                      HAS_RES: tl.constexpr, HAS_PRE: tl.constexpr, GEMMA: tl.constexpr, BLOCK: tl.constexpr,
                      PDL: tl.constexpr):
-    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * sx + cols, mask=mask, other=0.0)
+    # The weights before the PDL wait: no kernel writes them (kernels/pdl.py), and at a decode
+    # step they come from HBM, the longest load of the launch.
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if GEMMA:
+        w = w + 1.0
     if HAS_PRE:
-        xf = x.to(tl.float32)
         pw = tl.load(pre_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         if GEMMA:
             pw = pw + 1.0
+    pdl_wait(PDL)
+    x = tl.load(x_ptr + row * sx + cols, mask=mask, other=0.0)
+    if HAS_PRE:
+        xf = x.to(tl.float32)
         x = (xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps) * pw).to(out_ptr.dtype.element_ty)
     if HAS_RES:
         r = tl.load(res_ptr + row * sr + cols, mask=mask, other=0.0)
@@ -47,9 +53,6 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, pre_w_ptr, out_ptr, new_res_ptr, n_c
         tl.store(new_res_ptr + row * snr + cols, x, mask=mask)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if GEMMA:
-        w = w + 1.0
     tl.store(out_ptr + row * so + cols, (xf * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -176,25 +176,28 @@ def _paged_attention_kernel(
     DOT_F32: tl.constexpr, F16_DOT: tl.constexpr, PRECISION: tl.constexpr, DECODE: tl.constexpr,
     GROUPED: tl.constexpr, FP8_PV: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_wait(PDL)
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if DECODE:
         # One token a sequence, token s of sequence s: no lookups before the context length
-        # and the query, whose loads then go out together.
+        # and the query. The context length is a step's input, written before its forward
+        # began: read before the PDL wait (kernels/pdl.py).
         seq = pid_q
         q_start = pid_q
         q_len = 1
         q_block = 0
+        seq_len = tl.load(seq_lens_ptr + seq)
+        pdl_wait(PDL)
     else:
+        pdl_wait(PDL)
         seq = _find_seq(query_start_loc_ptr, num_seqs, pid_q, BLOCK_Q)
         q_start = tl.load(query_start_loc_ptr + seq)
         q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
         q_block = pid_q - (q_start // BLOCK_Q + seq)
         if q_block * BLOCK_Q >= q_len:
             return
-    seq_len = tl.load(seq_lens_ptr + seq)
+        seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len
 
     rows = tl.arange(0, BLOCK_M)

@@ -11,11 +11,13 @@ a Gemma-3-12B decode step at batch 1 7.24 -> 6.88 ms (the README's table).
 
 The rule every kernel here keeps: `pdl_wait` comes before its first global load or store, so
 nothing is read before its producer is done and nothing is overwritten while a predecessor may
-still read it. Two exceptions, both loads: the model's weights, which no kernel of a step writes
-(the GEMV fetches its first weight tile while the kernel before it ends); and what a kernel at
-least two launches back wrote, which nothing since overwrites (the experts' second GEMV reads
-the router's ids, the DeltaNet update its state): a kernel lets its successor launch only after
-its own wait, by when the kernel before it is done and its writes are visible. Kernels without
+still read it. Two exceptions, both loads: the model's weights and constant tables, which no
+kernel of a step writes (the GEMV fetches its first weight tile, a norm its weight, the rotary
+launches their cos/sin rows while the kernel before ends); and what a kernel at least two
+launches back wrote, which nothing since overwrites (a step's inputs: positions, slots, context
+lengths; the experts' second GEMV reads the router's ids, the DeltaNet update its state): a
+kernel lets its successor launch only after its own wait, by when the kernel before it is done
+and its writes are visible. Kernels without
 PDL (cuBLAS, torch's) before or after ours are ordered as usual (they let the next launch only
 when done).
 `DISTENGINE_PDL=0` turns it off (for comparisons); off the GPU it never applies.

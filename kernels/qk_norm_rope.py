@@ -26,10 +26,24 @@ __all__ = ["qk_norm_rope", "qk_norm_rope_ref"]
 
 
 @triton.jit
-def _norm_rotate(x_ptr, w_ptr, t, n_heads, s_t, s_h, h, j, r, cos, sin, eps, HALF: tl.constexpr,
-                 REST: tl.constexpr, GEMMA: tl.constexpr):
-    """Heads h of token t: normalised, the first 2 HALF dimensions rotated, the REST after them
-    passed through; written in place. Returns the three parts as written (dtype values, fp32)."""
+def _norm_weights(w_ptr, j, r, HALF: tl.constexpr, REST: tl.constexpr, GEMMA: tl.constexpr):
+    """A head norm's weights as `_norm_rotate` takes them: the two rotated halves and the rest
+    ([1, len(j)], [1, len(j)], [1, len(r)] fp32; Gemma's 1 + w)."""
+    w1 = tl.load(w_ptr + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
+    w3 = tl.load(w_ptr + 2 * HALF + r, mask=r < REST, other=0.0).to(tl.float32)[None, :]
+    if GEMMA:
+        w1 = w1 + 1.0
+        w2 = w2 + 1.0
+        w3 = w3 + 1.0
+    return w1, w2, w3
+
+
+@triton.jit
+def _norm_rotate(x_ptr, w, t, n_heads, s_t, s_h, h, j, r, cos, sin, eps, HALF: tl.constexpr, REST: tl.constexpr):
+    """Heads h of token t: normalised by the weights w (`_norm_weights`), the first 2 HALF
+    dimensions rotated, the REST after them passed through; written in place. Returns the three
+    parts as written (dtype values, fp32)."""
     head_dim = 2 * HALF + REST
     m = (h[:, None] < n_heads) & (j[None, :] < HALF)
     mr = (h[:, None] < n_heads) & (r[None, :] < REST)
@@ -39,13 +53,7 @@ def _norm_rotate(x_ptr, w_ptr, t, n_heads, s_t, s_h, h, j, r, cos, sin, eps, HAL
     x2 = tl.load(p + HALF, mask=m, other=0.0).to(tl.float32)
     x3 = tl.load(pr, mask=mr, other=0.0).to(tl.float32)
     rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1) + tl.sum(x3 * x3, 1)) / head_dim + eps)[:, None]
-    w1 = tl.load(w_ptr + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
-    w2 = tl.load(w_ptr + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
-    w3 = tl.load(w_ptr + 2 * HALF + r, mask=r < REST, other=0.0).to(tl.float32)[None, :]
-    if GEMMA:
-        w1 = w1 + 1.0
-        w2 = w2 + 1.0
-        w3 = w3 + 1.0
+    w1, w2, w3 = w
     dt = x_ptr.dtype.element_ty
     # The unfused path stores the norm's output in the tensor's dtype: round there too.
     n1 = (x1 * rstd * w1).to(dt).to(tl.float32)
@@ -65,18 +73,24 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, pos_ptr, cache_ptr, n_qh,
                          block_size, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, REST: tl.constexpr,
                          BLOCK_REST: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                          GEMMA: tl.constexpr, STORE: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    if STORE:  # loaded first: these loads overlap the chain of the position, cos/sin, q and k
-        slot, hk, vm, v = load_kv_write(slot_ptr, v_ptr, t, h, n_kh, sv_t, sv_h, 2 * HALF + REST, BLOCK_H, BLOCK_D)
+    # Before the PDL wait (kernels/pdl.py): the position and slot, a step's inputs written before
+    # its forward began, and the cos/sin table and norm weights, which no kernel writes.
     pos = tl.load(pos_ptr + t).to(tl.int64)
     j = tl.arange(0, BLOCK_HALF)
     r = tl.arange(0, BLOCK_REST)
     cos = tl.load(cache_ptr + pos * sc_p + j, mask=j < HALF).to(tl.float32)[None, :]
     sin = tl.load(cache_ptr + pos * sc_p + HALF + j, mask=j < HALF).to(tl.float32)[None, :]
-    _norm_rotate(q_ptr, qw_ptr, t, n_qh, sq_t, sq_h, h, j, r, cos, sin, eps, HALF, REST, GEMMA)
-    k1, k2, k3 = _norm_rotate(k_ptr, kw_ptr, t, n_kh, sk_t, sk_h, h, j, r, cos, sin, eps, HALF, REST, GEMMA)
+    qw = _norm_weights(qw_ptr, j, r, HALF, REST, GEMMA)
+    kw = _norm_weights(kw_ptr, j, r, HALF, REST, GEMMA)
+    if STORE:
+        slot = tl.load(slot_ptr + t)
+    pdl_wait(PDL)
+    if STORE:  # loaded first: these loads overlap the chain of q and k
+        hk, vm, v = load_kv_write(slot, v_ptr, t, h, n_kh, sv_t, sv_h, 2 * HALF + REST, BLOCK_H, BLOCK_D)
+    _norm_rotate(q_ptr, qw, t, n_qh, sq_t, sq_h, h, j, r, cos, sin, eps, HALF, REST)
+    k1, k2, k3 = _norm_rotate(k_ptr, kw, t, n_kh, sk_t, sk_h, h, j, r, cos, sin, eps, HALF, REST)
     if STORE:
         write_kv_part(kv_ptr, slot, h, tl.arange(0, BLOCK_D), vm, v, vs_ptr, skv_b, skv_kv, skv_s, skv_h, block_size,
                       1, FP8)

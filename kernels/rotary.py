@@ -125,18 +125,22 @@ def _rope_kernel(q_ptr, k_ptr, pos_ptr, cache_ptr, n_qh, n_kh, HALF, head_dim,
                  v_ptr, kv_ptr, slot_ptr, ks_ptr, vs_ptr, sv_t, sv_h, skv_b, skv_kv, skv_s, skv_h, block_size,
                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, STORE: tl.constexpr,
                  FP8: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    if STORE:  # loaded first: these loads overlap the chain of the position, cos/sin, q and k
-        slot, hk, vm, v = load_kv_write(slot_ptr, v_ptr, t, h, n_kh, sv_t, sv_h, head_dim, BLOCK_H, BLOCK_D)
-        d = tl.arange(0, BLOCK_D)
-        rm = vm & (d[None, :] >= 2 * HALF)  # the dimensions past the rotary width, stored as they are
-        k3 = tl.load(k_ptr + t * sk_t + h[:, None] * sk_h + d[None, :], mask=rm)
+    # Before the PDL wait (kernels/pdl.py): the position and slot, a step's inputs written before
+    # its forward began, and the cos/sin table, which no kernel writes.
     pos = tl.load(pos_ptr + t).to(tl.int64)
     j = tl.arange(0, BLOCK_HALF)
     cos = tl.load(cache_ptr + pos * sc_p + j, mask=j < HALF).to(tl.float32)[None, :]
     sin = tl.load(cache_ptr + pos * sc_p + HALF + j, mask=j < HALF).to(tl.float32)[None, :]
+    if STORE:
+        slot = tl.load(slot_ptr + t)
+    pdl_wait(PDL)
+    if STORE:  # loaded first: these loads overlap the chain of q and k
+        hk, vm, v = load_kv_write(slot, v_ptr, t, h, n_kh, sv_t, sv_h, head_dim, BLOCK_H, BLOCK_D)
+        d = tl.arange(0, BLOCK_D)
+        rm = vm & (d[None, :] >= 2 * HALF)  # the dimensions past the rotary width, stored as they are
+        k3 = tl.load(k_ptr + t * sk_t + h[:, None] * sk_h + d[None, :], mask=rm)
     _rotate_heads(q_ptr, t, n_qh, sq_t, sq_h, h, j, cos, sin, HALF)
     k1, k2 = _rotate_heads(k_ptr, t, n_kh, sk_t, sk_h, h, j, cos, sin, HALF)
     if STORE:

@@ -769,9 +769,13 @@ def test_skinny_gemm_bad_arguments():
         skinny_gemm(randn(3, 8, dtype=torch.float32), w, out=torch.empty(3, 5, device=DEVICE))
 
 
-# What kernels read before their PDL wait beyond the weights: data a kernel at least two launches
-# back wrote (kernels/pdl.py): the DeltaNet update's pages and state, the experts' second GEMV's ids.
-EARLY_READS = {"_gdn_update_kernel": ("init_ptr", "write_ptr", "state_ptr"), "_moe_gemv_kernel": ("ids_ptr",)}
+# What kernels read before their PDL wait beyond `w_ptr` / `w_rows`: other weights and tables no
+# kernel writes, and data a kernel at least two launches back wrote (kernels/pdl.py): a step's
+# inputs (positions, slots), the DeltaNet update's pages and state, the experts' second GEMV's ids.
+EARLY_READS = {"_gdn_update_kernel": ("init_ptr", "write_ptr", "state_ptr", "alog_ptr", "dtb_ptr"),
+               "_moe_gemv_kernel": ("ids_ptr",), "_rms_norm_kernel": ("pre_w_ptr",),
+               "_rope_kernel": ("pos_ptr", "cache_ptr", "slot_ptr"),
+               "_qk_norm_rope_kernel": ("pos_ptr", "cache_ptr", "slot_ptr")}
 
 
 def test_every_pdl_kernel_waits_first_and_is_launched_with_pdl_args():
