@@ -228,8 +228,8 @@ class SamplingTensors:
     @property
     def argmax_only(self) -> bool:
         """Every row takes its argmax and nothing more is asked (no logprobs, penalties, grammar
-        masks or logit adjustments): the runner then picks and records the tokens in one pass
-        (`kernels.greedy_pick`)."""
+        masks or logit adjustments): the runner then picks and records the tokens itself, in two
+        launches (`kernels.greedy_pick`)."""
         return self.all_greedy and not (self.want_logprobs or self.num_logprobs > 0 or self.any_penalties) and \
             self.adjust is None and self.token_bitmask is None
 
