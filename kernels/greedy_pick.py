@@ -19,12 +19,11 @@ except that it ties with +inf (the first of the two wins here; torch picks the N
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from kernels.paged_attention import _num_sms
 from kernels.pdl import pdl_args, pdl_wait
 
 __all__ = ["greedy_pick", "greedy_pick_ref", "greedy_splits"]
@@ -78,11 +77,6 @@ def _pick_record_kernel(val_ptr, idx_ptr, rows_ptr, tokens_ptr, last_ptr, count_
     row = tl.load(rows_ptr + r).to(tl.int64)
     tl.store(last_ptr + row, tok.to(last_ptr.dtype.element_ty))
     tl.store(count_ptr + row, tl.load(count_ptr + row) + 1)
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
 def greedy_splits(rows: int, vocab: int, num_sms: int) -> int:

@@ -168,7 +168,7 @@ class SamplingState:
         """`history`: some row of the step reads its ring (bad words), which every row's sampled
         token then enters (only such rows read it, and they sample in every step they are in)."""
         if history:
-            self.history[rows, self.i64["output_token_count"][rows] % HISTORY] = tokens
-        self.i64["output_token_count"][rows] += 1
+            self.history[rows, self.output_token_count[rows] % HISTORY] = tokens
+        self.output_token_count[rows] += 1
         if penalties:
             self.output_counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
