@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,6 +22,7 @@ from distengine.step import NewRequest, RequestSampling, ScheduledRequest, StepO
 from kernels.decode_inputs import decode_inputs
 from tests.helpers import plan_of
 from workers.input_batch import InputBatch
+from workers.staging import Staging
 from tests.reference_inputs import SeqStep, prepare_inputs
 
 VOCAB = 97
@@ -177,6 +179,21 @@ def test_bad_steps_are_refused():
     batch.add(NewRequest("b", [[3]], RequestSampling()))
     with pytest.raises(ValueError, match="the batch is full"):
         batch.add(NewRequest("c", [[4]], RequestSampling()))
+
+
+def test_staging_keeps_its_fixed_region_as_it_grows():
+    """The graphs read the fixed region at one address: each step's one copy writes it in place,
+    and so do the two copies of a step after the buffer grew."""
+    st = Staging(torch.device(DEVICE), capacity=16, fixed=8)
+    address = st.fixed_region.data_ptr()
+    for n in (4, 40, 400, 30):
+        st.begin(8 + n)
+        fixed, tail = st.put(np.arange(8) + n), st.put(np.arange(n) * 3)
+        st.commit()
+        assert fixed.offset == 0 and st.fixed_region.data_ptr() == address
+        assert st.fixed_region.tolist() == list(range(n, n + 8))
+        assert st.view(tail).tolist() == list(range(0, 3 * n, 3))
+    assert st.dev.data_ptr() != address  # it did grow
 
 
 @pytest.mark.parametrize("groups,mamba,width", [(1, [], 8), (3, [1], 2048 + 12), (4, [0, 2], 40)])

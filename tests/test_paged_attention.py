@@ -99,6 +99,20 @@ def test_split_kv_decode(splits, window, sinks):
 
 
 @pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("chunk, softcap, head_scale", [(16, 0.0, False), (0, 30.0, True)])
+def test_decode_with_local_chunks_softcap_and_head_scales(splits, chunk, softcap, head_scale):
+    """A decode batch (the `DECODE` path) with Llama-4's local chunks, or a soft-cap and per-head
+    scales."""
+    args, g = make_case(DECODES + [(16, 1)], 8, 2, 64, 16, torch.bfloat16, chunk=chunk)
+    kw = {"config": small(4), "num_splits": splits}
+    if softcap:
+        kw["softcap"] = softcap
+    if head_scale:
+        kw["head_scale"] = (torch.rand(8, generator=g) + 0.5).to(DEVICE)
+    check(args, **kw)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
 def test_decode_batch_takes_the_decode_path_with_the_same_numbers(splits):
     """One token a sequence (max_query_len 1) maps program s to sequence s without looking the
     sequence up; given a bound of 2 the same batch takes the lookup, and the outputs are the same

@@ -11,8 +11,9 @@ device, so the host's work per step grows with the number of scheduled requests 
 never with the context length.
 
 A decode step in a CUDA graph reads its inputs from a fixed region of the device (`static`: rows,
-computed tokens, context lengths) and the device state alone (`decode_inputs`); any other step
-reads the staged sections too (`eager_inputs`).
+computed tokens, context lengths: the staging buffer's first section, written in place by the
+step's copy) and the device state alone (`decode_inputs`); any other step reads the staged
+sections too (`eager_inputs`).
 """
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ class ModelInputs:
 @dataclass
 class StagedStep:
     """One step's own sections of the staging buffer (None: the step has none of that kind)."""
-    fixed: Section                      # [3, R4]: rows, computed tokens, context lengths
+    # [3, R4]: rows, computed tokens, context lengths; packed first, into the fixed region
+    fixed: Section
     sample_rows: Section                # the rows that sample, in plan order
     query_start: Section | None = None  # eager steps: [S + 1] token offsets of the sequences
     query_lens: Section | None = None
@@ -89,11 +91,12 @@ class InputBatch:
         self.tables = BlockTables(plan, R, device, debug_checks)
         self.sampling = SamplingState(R + 1, self.vocab_size, device)
         self.last_token = torch.zeros(R + 1, dtype=torch.int64, device=device)
-        # The graphs' fixed inputs: rows, computed tokens (= decode positions), context lengths.
+        # The graphs' fixed inputs: rows, computed tokens (= decode positions), context lengths,
+        # the staging buffer's fixed region (the step's copy writes them in place).
         self.R4 = round_up(R, ALIGN)
-        self.static = torch.zeros(3, self.R4, dtype=torch.int32, device=device)
+        self.staging = Staging(device, fixed=3 * self.R4)
+        self.static = self.staging.fixed_region.view(3, self.R4)
         self.arange = torch.arange(max(R, 1) + 1, dtype=torch.int32, device=device)
-        self.staging = Staging(device)
         self.mask_staging = Staging(device, capacity=1 << 10)
         self.row_of: dict[str, int] = {}
         self.free_rows = list(range(R - 1, -1, -1))  # pop() gives the lowest free row
@@ -220,7 +223,6 @@ class InputBatch:
 
     def _apply(self, staged: StagedStep) -> None:
         st = self.staging
-        self.static.view(-1).copy_(st.view(staged.fixed))
         self.tables.apply(st, staged.appends)
         self.sampling.apply(st, staged.new_rows)
         if staged.graph_token_rows is not None:

@@ -30,11 +30,14 @@ from workers.sampler import SamplerOutput, SamplingTensors, sample
 
 class _PinnedBuffers:
     """Host buffers the sampled tokens are copied into, two of each (steps alternate), grown on
-    demand: a step's results are read while the next step's are being written."""
+    demand: a step's results are read while the next step's are being written. On a GPU the
+    copies run on a stream of their own, so the next step's inputs and kernels never queue
+    behind them."""
 
-    def __init__(self, pin: bool) -> None:
-        self.pin = pin
+    def __init__(self, device: torch.device) -> None:
+        self.pin = device.type == "cuda"
         self.bufs: dict[tuple[str, int], torch.Tensor] = {}
+        self.stream = torch.cuda.Stream(device) if self.pin else None
 
     def get(self, name: str, parity: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         n = int(np.prod(shape)) if shape else 1
@@ -91,16 +94,21 @@ class PendingOutput:
         self.step_id, self.req_ids = step_id, req_ids
         self.prompt_logprobs = prompt_logprobs
         parity = step_id & 1
+        outputs = [(name, t) for name, t in (("tokens", out.token_ids), ("logprobs", out.logprobs),
+                                             ("top_ids", out.top_token_ids), ("top_lp", out.top_logprobs))
+                   if t is not None]
         self.host: dict[str, torch.Tensor] = {}
-        for name, t in (("tokens", out.token_ids), ("logprobs", out.logprobs), ("top_ids", out.top_token_ids),
-                        ("top_lp", out.top_logprobs)):
-            if t is not None:
-                dst = bufs.get(name, parity, tuple(t.shape), t.dtype) if cuda else t
-                if cuda:
-                    dst.copy_(t, non_blocking=True)
-                self.host[name] = dst
         self.event = None
-        if cuda:
+        if not cuda:
+            self.host = dict(outputs)
+            return
+        bufs.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(bufs.stream):
+            for name, t in outputs:
+                dst = bufs.get(name, parity, tuple(t.shape), t.dtype)
+                dst.copy_(t, non_blocking=True)
+                t.record_stream(bufs.stream)  # (its memory is not reused before the copy)
+                self.host[name] = dst
             self.event = torch.cuda.Event()
             self.event.record()
 
@@ -141,7 +149,7 @@ class ModelRunner:
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.use_graphs = self.device.type == "cuda" and not config.enforce_eager
         self.graphs: DecodeGraphs | None = None
-        self.outputs = _PinnedBuffers(self.device.type == "cuda")
+        self.outputs = _PinnedBuffers(self.device)
         self.prompt_logprobs: dict[str, PromptLogprobs] = {}  # requests whose prompt logprobs are being computed
         self.kv_pool: torch.Tensor | None = None
         self.num_blocks = 0

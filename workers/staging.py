@@ -30,17 +30,23 @@ class Staging:
     Sections are packed back to back, each 16-byte aligned. Two pinned host buffers alternate,
     so packing step N+1 never overwrites step N's buffer while its copy may still be queued; a
     buffer is reused only after its copy's event has completed. Buffers grow when a step needs
-    more (rare: admission steps with long prefix hits)."""
+    more (rare: admission steps with long prefix hits).
 
-    def __init__(self, device: torch.device, capacity: int = 1 << 16) -> None:
+    The device buffer's first `fixed` elements stay at one address for the staging's life
+    (`fixed_region`): a CUDA graph reads its inputs there, written by the step's one copy with
+    no device-to-device copy after it. A step packs its fixed section first."""
+
+    def __init__(self, device: torch.device, capacity: int = 1 << 16, fixed: int = 0) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
         self.host: list[torch.Tensor] = []
         self.events: list = [None, None]
-        self.dev = torch.empty(0, dtype=torch.int32, device=device)
         self.k = 0
         self.used = 0
-        self._grow(capacity)
+        self.fixed = round_up(fixed, ALIGN)
+        self.dev = torch.zeros(max(capacity, self.fixed), dtype=torch.int32, device=device)
+        self.fixed_region = self.dev[:fixed]
+        self._grow(self.dev.numel())
 
     def _grow(self, capacity: int) -> None:
         for e in self.events:
@@ -48,7 +54,10 @@ class Staging:
                 e.synchronize()
         self.host = [torch.empty(capacity, dtype=torch.int32, pin_memory=self.cuda) for _ in range(2)]
         self.np = [h.numpy() for h in self.host]
-        self.dev = torch.empty(capacity, dtype=torch.int32, device=self.device)
+        if capacity > self.dev.numel():
+            # The fixed region's contents and address are kept: the new buffer's copy goes
+            # around it (`commit`).
+            self.dev = torch.empty(capacity, dtype=torch.int32, device=self.device)
         self.events = [None, None]
 
     def begin(self, upper_bound: int) -> None:
@@ -70,9 +79,12 @@ class Staging:
         return Section(off, arr.size, np.dtype(dtype))
 
     def commit(self) -> None:
-        """The one host-to-device copy of the step."""
+        """The one host-to-device copy of the step (two once the buffer has grown: the fixed
+        region keeps its address)."""
         n = self.used
         self.dev[:n].copy_(self.host[self.k][:n], non_blocking=True)
+        if self.fixed and self.dev.data_ptr() != self.fixed_region.data_ptr():
+            self.fixed_region.copy_(self.host[self.k][:self.fixed_region.numel()], non_blocking=True)
         if self.cuda:
             ev = torch.cuda.Event()
             ev.record()
