@@ -76,11 +76,10 @@ def test_grid_table_plot_failure_resume_and_skip(tiny, ray_cluster, tmp_path, ca
     assert main(["bench", "sweep", spec2, "--out", out, "--resume", "--no-progress"]) == 0
     assert len(lines(out)) == 6  # nothing ran twice
 
-    big = sweep_file(tmp_path, tiny, {"tensor_parallel_size": [1, 8]}, name="big.json", max_model_len=64)
+    big = sweep_file(tmp_path, tiny, {"tensor_parallel_size": [8]}, name="big.json", max_model_len=64)
     out3 = str(tmp_path / "out3")
     assert main(["bench", "sweep", big, "--out", out3, "--no-progress"]) == 0
     recs = {r["point"]["tensor_parallel_size"]: r for r in lines(out3)}
-    assert recs[1]["status"] == "ok"
     assert recs[8]["status"] == "skipped" and "CPU: asks for 8.1, the cluster has 4" in recs[8]["error"]
     assert "skipped: needs more than the cluster has" in capsys.readouterr().out
 

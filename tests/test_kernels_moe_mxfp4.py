@@ -121,12 +121,13 @@ def test_grouped_gemm_writes_each_pair_row_once_and_nothing_else(scaled_dot, fus
     assert torch.isnan(wide[:, cols:]).all(), "wrote outside the output rows"
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("t,e,k,h,inter", [
-    (1, 8, 2, 64, 32),  # a decode step
-    (3, 6, 3, 96, 64),  # H = 96: a partial K step (BLOCK_K 128)
-    (GEMV_MAX_TOKENS, 6, 4, 64, 32),  # the most tokens the GEMVs take: experts shared between tokens
-])
+@pytest.mark.parametrize("dtype, t, e, k, h, inter", [
+    (torch.bfloat16, 1, 8, 2, 64, 32),  # a decode step
+    (torch.float32, 1, 8, 2, 64, 32),
+    (torch.bfloat16, 3, 6, 3, 96, 64),  # H = 96: a partial K step (BLOCK_K 128)
+    (torch.float32, 3, 6, 3, 96, 64),
+    (torch.bfloat16, GEMV_MAX_TOKENS, 6, 4, 64, 32),  # the most tokens the GEMVs take: experts shared
+], ids=["bf16-decode", "fp32-decode", "bf16-partial-k", "fp32-partial-k", "bf16-most-tokens"])
 def test_few_tokens_run_as_gemvs_against_a_float64_loop(dtype, t, e, k, h, inter, monkeypatch):
     """Up to GEMV_MAX_TOKENS tokens the op takes the GEMV path (every byte value, both nibbles,
     through the word decode), against the float64 loop; NaN scales of an expert no token chose
