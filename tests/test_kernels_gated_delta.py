@@ -438,6 +438,16 @@ def test_update(impl, dtype, case):
     check_pages(state, before, pages, TOL[dtype], buf)
 
 
+def test_update_refuses_more_sequences_than_its_grid_takes():
+    """The decode launch puts sequences on the grid's third dimension (65,535 at most)."""
+    S = 65536
+    inputs = make_inputs(S, 1, 1, 16, 16, torch.float32, 0, 0.0, True)
+    _, state = state_pool(2, [1], 1, 16, 16, 1)
+    pages = torch.zeros(S, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="at most 65,535 sequences"):
+        gated_delta_update(*inputs, state, pages, pages)
+
+
 # ----------------------------------------------------------------------------- against transformers
 
 def test_against_transformers_torch_functions():

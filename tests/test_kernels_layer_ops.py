@@ -527,6 +527,24 @@ def test_gemv_refuses_a_norm_it_cannot_take():
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.gpu  # cuBLAS
+@pytest.mark.parametrize("rows", [64, 128, 256, 257], ids=str)
+@pytest.mark.parametrize("n,k", [(2048, 16384), (1024, 16384), (4096, 4096)], ids=["long-K", "small", "square"])
+def test_linear_op_long_reductions_through_cublaslt(rows, n, k):
+    """Decode batches' products with a large weight and K >= 2N go through cuBLASLt
+    (`_long_reduction`), the others through cuBLAS; either way the product of the fp64 reference
+    to bf16's bound, into `out` when given, and torch's BLAS preference is back as it was."""
+    from workers.ops import _long_reduction, linear_op
+    before = torch.backends.cuda.preferred_blas_library()
+    x, w, b = randn(rows, k, dtype=torch.bfloat16), randn(n, k, dtype=torch.bfloat16), randn(n, dtype=torch.bfloat16)
+    assert _long_reduction(x, w) == (rows <= 256 and n == 2048)
+    ref = x.double() @ w.double().t()
+    out = torch.full((rows, n), float("nan"), dtype=torch.bfloat16, device=x.device)
+    for got in (linear_op(x, w), linear_op(x, w, out=out), linear_op(x, w, b) - b):
+        assert rel_err(got, ref) < TOL[torch.bfloat16]
+    assert torch.backends.cuda.preferred_blas_library() == before
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("k,n,start,d,width,bias,cfg", [
     (64, 40, 0, 24, 4, False, None),  # the Gated DeltaNet's q, k, v first
