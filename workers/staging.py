@@ -43,8 +43,7 @@ class Staging:
         self.events: list = [None, None]
         self.k = 0
         self.used = 0
-        self.fixed = round_up(fixed, ALIGN)
-        self.dev = torch.zeros(max(capacity, self.fixed), dtype=torch.int32, device=device)
+        self.dev = torch.zeros(max(capacity, round_up(fixed, ALIGN)), dtype=torch.int32, device=device)
         self.fixed_region = self.dev[:fixed]
         self._grow(self.dev.numel())
 
@@ -83,7 +82,7 @@ class Staging:
         region keeps its address)."""
         n = self.used
         self.dev[:n].copy_(self.host[self.k][:n], non_blocking=True)
-        if self.fixed and self.dev.data_ptr() != self.fixed_region.data_ptr():
+        if self.fixed_region.numel() and self.dev.data_ptr() != self.fixed_region.data_ptr():
             self.fixed_region.copy_(self.host[self.k][:self.fixed_region.numel()], non_blocking=True)
         if self.cuda:
             ev = torch.cuda.Event()
