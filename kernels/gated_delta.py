@@ -44,11 +44,18 @@ FLA solves the same system in separate kernels (16x16 forward substitution, then
 inverses with products): the same blocking, here kept in registers.
 
 Prefill, split form (a few long sequences: the fused walk of one sequence is a chain of ~128
-chunk steps, each with a solve): `_gdn_chunk_prep_kernel`, a program per (chunk, value head), all
-in parallel, solves for W = T (beta exp(G) k) [L, K] and U = T (beta v) [L, V] and forms the decayed
-q k^T P; `_gdn_chunk_scan_kernel` then walks each sequence with v_new = U - W S, four products a
-chunk and no solve. W and P go through memory in the activation dtype (W is a dot operand of S,
-rounded like k S in the fused form), U in fp32.
+chunk steps, each with a solve), FLA's layout in three launches:
+1. `_gdn_chunk_prep_kernel`, a program per (chunk, value head), all in parallel, solves for
+   W = T (beta exp(G) k) [L, K] and U = T (beta v) [L, V] and forms the decayed q k^T P;
+2. `_gdn_chunk_walk_kernel` walks each sequence with two products a chunk, v_new = U - W S and
+   the state update, and stores v_new and the state entering each chunk;
+3. `_gdn_chunk_out_kernel`, a program per (chunk, value head), all in parallel, forms the
+   outputs exp(G) q S + P v_new.
+Only the walk is a chain, so it is kept to what the recurrence needs (two products and the
+conversions between them; with the outputs in it, the walk of Qwen3.6-27B's heads over 8,192
+tokens took ~690 us against 477 now, see `default_config`). W, P, v_new
+and the states go through memory in the activation dtype (each is a dot operand, rounded as the
+fused form rounds it: the outputs are the fused form's), U in fp32.
 
 Numerics (as FLA's kernels, which transformers runs on GPUs when they are installed): q and k normalised in fp32, then, for 16-bit
 inputs, the dot operands in the activation dtype (q, k, the state entering k S and q S, the
@@ -309,19 +316,19 @@ def _gdn_chunk_prep_kernel(
 
 
 @triton.jit(do_not_specialize=["num_chunks"])
-def _gdn_chunk_scan_kernel(
-    q_ptr, k_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, p_ptr, out_ptr, state_ptr,
+def _gdn_chunk_walk_kernel(
+    k_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, x_ptr, snap_ptr, state_ptr,
     qsl_ptr, init_ptr, cstart_ptr, cpage_ptr,
-    num_chunks, K, V, v_per_k, scale,
-    sq_t, sq_h, sk_t, sk_h, sa_t, sb_t, sw_t, sw_h, su_t, su_h, sp_c, sp_h, so_t, so_h, st_page, st_h, st_k,
+    num_chunks, K, V, v_per_k,
+    sk_t, sk_h, sa_t, sb_t, sw_t, sw_h, su_t, su_h, sx_t, sx_h, sn_c, sn_h, st_page, st_h, st_k,
     BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, DOT_F32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """Phase 2 of the split prefill, one program per (sequence, value head, BLOCK_V state
-    columns), walking the sequence's chunks in order: v_new = U - W S, o = exp(G) q S + P v_new,
-    S' = exp(G_L) S + (k exp(G_L - G))^T v_new; checkpoints as the fused kernel writes them.
-    Four products a chunk and no solve: the chain of chunk steps of one long sequence is about a
-    third of the fused kernel's."""
+    columns), walking the sequence's chunks in order with two products a chunk: v_new = U - W S
+    and S' = exp(G_L) S + (k exp(G_L - G))^T v_new. It leaves the outputs to phase 3: it stores
+    each chunk's v_new and the state entering it (as the dot operand it is, in the activation
+    dtype); checkpoints as the fused kernel writes them."""
     s = tl.program_id(0)
     h = tl.program_id(1)
     seq_start = tl.load(qsl_ptr + s)
@@ -329,7 +336,7 @@ def _gdn_chunk_scan_kernel(
     if seq_start >= seq_end:
         return
     hk = h // v_per_k
-    DT: tl.constexpr = out_ptr.dtype.element_ty
+    DT: tl.constexpr = x_ptr.dtype.element_ty
     kk = tl.arange(0, BLOCK_K)
     vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     l = tl.arange(0, BLOCK_L)
@@ -349,29 +356,66 @@ def _gdn_chunk_scan_kernel(
         n = tl.load(cstart_ptr + c + 1) - t0
         lm = l < n
         t0l = t0.to(tl.int64)
-        # the chunk's q, k and decays again (cheaper than a round trip through memory)
+        # the chunk's decayed k again (cheaper than a round trip through memory)
         g, to_end, _beta_unused = _chunk_gates(a_ptr, b_ptr, t0l, n, h, neg_A, dt_b, sa_t, sb_t, BLOCK_L)
-        qd = _dot_operand(_load_normed(q_ptr, t0l, hk, sq_t, sq_h, n, K, scale, BLOCK_L, BLOCK_K), DT, DOT_F32)
         kn = _load_normed(k_ptr, t0l, hk, sk_t, sk_h, n, K, 1.0, BLOCK_L, BLOCK_K)
         kw = _dot_operand(kn * tl.exp(to_end)[:, None], DT, DOT_F32)
-        eG = tl.exp(tl.cumsum(g, axis=0))
         eGL = tl.exp(tl.sum(g, axis=0))
         W = tl.load(w_ptr + t0l * sw_t + h * sw_h + l[:, None] * sw_t + kk[None, :], mask=lm[:, None] & km[None, :],
                     other=0.0)
         U = tl.load(u_ptr + t0l * su_t + h * su_h + l[:, None] * su_t + vv[None, :], mask=lm[:, None] & vm[None, :],
                     other=0.0)
-        P = tl.load(p_ptr + (c + tl.zeros([], tl.int64)) * sp_c + h * sp_h + l[:, None] * BLOCK_L + l[None, :])
         Sd = _dot_operand(state, DT, DOT_F32)
-        o_in = tl.dot(qd, Sd, input_precision=PRECISION) * eG[:, None]
+        tl.store(snap_ptr + (c + tl.zeros([], tl.int64)) * sn_c + h * sn_h + st_off, Sd.to(DT), mask=st_mask)
         x = U - tl.dot(_dot_operand(W.to(tl.float32), DT, DOT_F32), Sd, input_precision=PRECISION)
         xd = _dot_operand(x, DT, DOT_F32)
-        o = tl.dot(_dot_operand(P.to(tl.float32), DT, DOT_F32), xd, o_in, input_precision=PRECISION)
-        tl.store(out_ptr + t0l * so_t + h * so_h + l[:, None] * so_t + vv[None, :], o.to(out_ptr.dtype.element_ty),
+        tl.store(x_ptr + t0l * sx_t + h * sx_h + l[:, None] * sx_t + vv[None, :], xd.to(DT),
                  mask=lm[:, None] & vm[None, :])
         state = tl.dot(tl.trans(kw), xd, state * eGL, input_precision=PRECISION)
         wpage = tl.load(cpage_ptr + c).to(tl.int64)
         if wpage > 0:
             tl.store(state_ptr + wpage * st_page + h * st_h + st_off, state, mask=st_mask)
+
+
+@triton.jit
+def _gdn_chunk_out_kernel(q_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, p_ptr, x_ptr, snap_ptr, out_ptr, cstart_ptr,
+                          K, V, v_per_k, scale,
+                          sq_t, sq_h, sa_t, sb_t, sp_c, sp_h, sx_t, sx_h, sn_c, sn_h, sn_k, so_t, so_h,
+                          BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+                          DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+    """Phase 3 of the split prefill, one program per (chunk, value head, BLOCK_V columns), all in
+    parallel: o = exp(G) q S + P v_new from the state entering the chunk and v_new that phase 2
+    stored (the same rounded operands as the fused kernel's products)."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    hk = h // v_per_k
+    DT: tl.constexpr = out_ptr.dtype.element_ty
+    t0 = tl.load(cstart_ptr + c)
+    n = tl.load(cstart_ptr + c + 1) - t0
+    t0l = t0.to(tl.int64)
+    cl = c.to(tl.int64)
+    l = tl.arange(0, BLOCK_L)
+    kk = tl.arange(0, BLOCK_K)
+    vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    lm = l < n
+    km = kk < K
+    vm = vv < V
+    neg_A = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+    dt_b = tl.load(dtb_ptr + h).to(tl.float32)
+    g, _to_end, _beta = _chunk_gates(a_ptr, b_ptr, t0l, n, h, neg_A, dt_b, sa_t, sb_t, BLOCK_L)
+    eG = tl.exp(tl.cumsum(g, axis=0))
+    qd = _dot_operand(_load_normed(q_ptr, t0l, hk, sq_t, sq_h, n, K, scale, BLOCK_L, BLOCK_K), DT, DOT_F32)
+    Sd = tl.load(snap_ptr + cl * sn_c + h * sn_h + kk[:, None] * sn_k + vv[None, :], mask=km[:, None] & vm[None, :],
+                 other=0.0)
+    xd = tl.load(x_ptr + t0l * sx_t + h * sx_h + l[:, None] * sx_t + vv[None, :], mask=lm[:, None] & vm[None, :],
+                 other=0.0)
+    P = tl.load(p_ptr + cl * sp_c + h * sp_h + l[:, None] * BLOCK_L + l[None, :])
+    if DOT_F32:
+        Sd, xd, P = Sd.to(tl.float32), xd.to(tl.float32), P.to(tl.float32)
+    o = tl.dot(qd, Sd, input_precision=PRECISION) * eG[:, None]
+    o = tl.dot(P, xd, o, input_precision=PRECISION)
+    tl.store(out_ptr + t0l * so_t + h * so_h + l[:, None] * so_t + vv[None, :], o.to(DT),
+             mask=lm[:, None] & vm[None, :])
 
 
 @triton.jit
@@ -443,7 +487,7 @@ def _check_kernel_operands(q, k, v, a, b, state) -> None:
     assert state.dtype == torch.float32 and state.stride(3) == 1, (state.dtype, state.stride())
 
 
-def default_config(K: int, V: int, num_seqs_x_heads: int, device: torch.device) -> dict:
+def default_config(K: int, V: int, num_seqs_x_heads: int, device: torch.device, split: bool | None = None) -> dict:
     """BLOCK_V, launch options and the form of the prefill. A program holds its state [K, BLOCK_V]
     (fp32), q and k [64, K], v and v_new [64, BLOCK_V] and three [64, 64] matrices (A, N, the
     decayed q k^T): at K = 128, BLOCK_V = 64 is ~32K fp32 values, 8 warps. BLOCK_V stays at 64
@@ -454,19 +498,27 @@ def default_config(K: int, V: int, num_seqs_x_heads: int, device: torch.device) 
     warps) were right; `gated_delta_varlen` refuses those launches.
 
     `split`: when the fused kernel's programs (a sequence's chunks walked in order by each) would
-    not fill the GPU four times over (a long prompt alone, a few prompts), the state-independent half of every chunk
-    (the solve) runs first for all chunks in parallel (`_gdn_chunk_prep_kernel`) and the walk
-    does four products a chunk (`_gdn_chunk_scan_kernel`), at the price of writing and reading
-    W, U and P (about 1.8 KB per token and value head). Pass `config=` to override any of it."""
+    not fill the GPU four times over (a long prompt alone, a few prompts), the split form runs
+    (the module docstring), at the price of writing and reading W, U, P, v_new and a state a
+    chunk (about 2.4 KB per token and value head at K = V = 128). Its walk's programs take 32
+    state columns on 4 warps (the bf16 faults above are the fused kernel's, whose programs also
+    solve), and its solves 4 warps. `split` given: that form's launch. Pass `config=` to override
+    any of it ("prep_warps": the solves' launch)."""
     bv = min(64, max(16, triton.next_power_of_2(V)))
     bk = max(16, triton.next_power_of_2(K))
     sms = _num_sms(device) if device.type == "cuda" else 132
-    split = num_seqs_x_heads * triton.cdiv(V, bv) < 4 * sms
-    # H200, K = V = 128, 32 heads (`python -m kernels.bench.gated_delta --sweep`): the split walk
-    # of one 8,192-token sequence 1.23 ms with 8 warps against 1.43 with 4; the fused kernel over
-    # 8 x 1,024 tokens 0.98 ms with 4 warps against 1.22 with 8 (the split form: 0.85-0.90).
-    warps = (8 if split else 4) if bk * bv >= 4096 else 4
-    return {"BLOCK_V": bv, "num_warps": warps, "num_stages": 2, "split": split}
+    if split is None:
+        split = num_seqs_x_heads * triton.cdiv(V, bv) < 4 * sms
+    if split:
+        # H200, one 8,192-token sequence, Qwen3.6-27B's heads (16 key, 48 value; `python -m
+        # kernels.bench.gated_delta --sweep`), us: the solves 496 on 4 warps against 814 on 8;
+        # the walk 477 with 32 columns on 4 warps, 588 with 64 on 8, 695 with 64 on 4, 912 with
+        # 32 on 2 (the walk with the outputs in it: ~690 with 64 on 8).
+        return {"BLOCK_V": min(32, bv), "num_warps": 4, "num_stages": 2, "split": True, "prep_warps": 4}
+    # H200, K = V = 128, 32 heads: the fused kernel over 8 x 1,024 tokens 0.98 ms with 4 warps
+    # against 1.22 with 8.
+    warps = 4
+    return {"BLOCK_V": bv, "num_warps": warps, "num_stages": 2, "split": False}
 
 
 def decode_config(K: int, V: int, programs_per_column_block: int, device: torch.device) -> dict:
@@ -510,9 +562,9 @@ def gated_delta_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: tor
     assert out.shape == (T, Hv, V) and out.stride(-1) == 1
     if S == 0 or NC == 0:
         return out
-    cfg = {**default_config(K, V, S * Hv, v.device), **(config or {})}
+    cfg = {**default_config(K, V, S * Hv, v.device, (config or {}).get("split")), **(config or {})}
     block_v = cfg["BLOCK_V"]
-    if v.dtype != torch.float32 and K > 32 and block_v < min(64, V) and v.device.type == "cuda":
+    if not cfg["split"] and v.dtype != torch.float32 and K > 32 and block_v < min(64, V) and v.device.type == "cuda":
         raise ValueError(f"gated_delta_varlen: BLOCK_V={block_v} with {v.dtype} operands and K={K} is refused: on an "
                          f"H200 with Triton 3.6 such launches faulted (an invalid shared-memory read) or gave wrong "
                          f"outputs (relative error 0.5-0.9); BLOCK_V=64 runs")
@@ -538,12 +590,20 @@ def gated_delta_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: tor
         q, k, v, a, b, A_log, dt_bias, w, u, p, chunk_start, K, V, Hv // Hk, K ** -0.5,
         *strides, v.stride(0), v.stride(1), a.stride(0), b.stride(0), w.stride(0), w.stride(1), u.stride(0),
         u.stride(1), p.stride(0), p.stride(1), BLOCK_V=max(16, triton.next_power_of_2(V)), **common, **solve,
-        num_warps=8, num_stages=1)
-    _gdn_chunk_scan_kernel[grid](
-        q, k, a, b, A_log, dt_bias, w, u, p, out, state, query_start_loc, init_page, chunk_start, chunk_page,
-        NC, K, V, Hv // Hk, K ** -0.5, *strides, a.stride(0), b.stride(0), w.stride(0), w.stride(1), u.stride(0),
-        u.stride(1), p.stride(0), p.stride(1), out.stride(0), out.stride(1), state.stride(0), state.stride(1),
-        state.stride(2), BLOCK_V=block_v, **common, **launch)
+        num_warps=cfg.get("prep_warps", 4), num_stages=1)
+    x = torch.empty((T, Hv, V), dtype=v.dtype, device=v.device)
+    snap = torch.empty((NC, Hv, K, V), dtype=v.dtype, device=v.device)
+    _gdn_chunk_walk_kernel[grid](
+        k, a, b, A_log, dt_bias, w, u, x, snap, state, query_start_loc, init_page, chunk_start, chunk_page,
+        NC, K, V, Hv // Hk, k.stride(0), k.stride(1), a.stride(0), b.stride(0), w.stride(0), w.stride(1),
+        u.stride(0), u.stride(1), x.stride(0), x.stride(1), snap.stride(0), snap.stride(1),
+        state.stride(0), state.stride(1), state.stride(2), BLOCK_V=block_v, **common, **launch)
+    out_v = min(128, max(16, triton.next_power_of_2(V)))
+    _gdn_chunk_out_kernel[(NC, Hv, triton.cdiv(V, out_v))](
+        q, a, b, A_log, dt_bias, p, x, snap, out, chunk_start, K, V, Hv // Hk, K ** -0.5,
+        q.stride(0), q.stride(1), a.stride(0), b.stride(0), p.stride(0), p.stride(1), x.stride(0), x.stride(1),
+        snap.stride(0), snap.stride(1), snap.stride(2), out.stride(0), out.stride(1),
+        BLOCK_V=out_v, **common, num_warps=4, num_stages=2)
     return out
 
 
