@@ -51,6 +51,7 @@ def prepare_inputs(seqs: list[SeqStep], block_size: int, device: torch.device, m
         query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         max_query_len=max(lens_q), max_seq_len=max(seq_lens), slot_mappings=slots, block_tables=tables,
+        prompt_lens=tuple(lens_q) if seqs and not any(s.num_computed for s in seqs) else None,
         mamba=_mamba(seqs, lens_q, [tables[g] for g in mamba_groups], block_size, device) if mamba_groups else None)
     return (torch.tensor(ids, dtype=torch.int64, device=device), pos.to(device), meta,
             torch.tensor(logits_idx, dtype=torch.int64, device=device))

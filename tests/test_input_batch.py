@@ -77,6 +77,7 @@ def _check(batch: InputBatch, step, plan, sched: Scheduler, truth: dict[str, lis
         assert got_meta.max_query_len == meta.max_query_len
         assert got_meta.max_seq_len == (batch.max_model_len if meta.max_query_len == 1 else meta.max_seq_len)
     assert torch.equal(got_meta.seq_lens[:S], meta.seq_lens)
+    assert got_meta.prompt_lens == meta.prompt_lens
     if mamba_groups:
         m, got = meta.mamba, got_meta.mamba
         assert torch.equal(got.init_pages[:, :S], m.init_pages)

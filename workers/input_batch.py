@@ -74,6 +74,7 @@ class StepInputs:
     max_query_len: int
     max_seq_len: int
     graph_size: int | None          # the CUDA graph batch size to replay, or None: eager
+    prompt_lens: tuple[int, ...] | None  # every sequence's query length, when each starts at position 0
     sample_req_ids: list[str]       # the requests that sample, in plan order
     sample_rows_np: np.ndarray
     staged: StagedStep = field(repr=False)
@@ -218,8 +219,9 @@ class InputBatch:
         if self.debug:
             for s, row in zip(scheduled, rows.tolist()):
                 self.tables.check(s.req_id, row, s.num_computed_tokens, s.num_new_tokens)
+        prompt_lens = tuple(int(n) for n in qlens) if S and not num_computed.any() else None
         return StepInputs(S, T, int(qlens.max()) if S else 0, int(seq_lens.max()) if S else 0, graph_size,
-                          sample_ids, sample_rows, staged)
+                          prompt_lens, sample_ids, sample_rows, staged)
 
     def _apply(self, staged: StagedStep) -> None:
         st = self.staging
@@ -284,7 +286,7 @@ class InputBatch:
         bound = self.max_model_len if step.max_query_len == 1 else step.max_seq_len
         meta = AttentionMetadata(query_start_loc=qsl, seq_lens=self.static[2, :S], max_query_len=step.max_query_len,
                                  max_seq_len=bound, slot_mappings=self.tables.slot_mapping(tok_rows, tok_pos)[:, :T],
-                                 block_tables=self.tables.of_rows(rows),
+                                 block_tables=self.tables.of_rows(rows), prompt_lens=step.prompt_lens,
                                  mamba=self._mamba(rows, num_computed, staged if step.max_query_len > 1 else None))
         return ModelInputs(ids, pos, meta, st.view(staged.logits_indices).long())
 

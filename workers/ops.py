@@ -1,7 +1,7 @@
 """The hot ops of a decoder layer: Triton kernels on a GPU, their torch references on CPU."""
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -206,6 +206,40 @@ def fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bl
     return linear_op(x, w, bias, out=out)
 
 
+def cudnn_attention_available(device: torch.device) -> bool:
+    """torch's cuDNN attention on a Hopper or newer GPU (where it was measured; the route below
+    is not taken elsewhere)."""
+    return (device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled()
+            and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
+def prompt_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prompt_lens: tuple[int, ...],
+                        scale: float) -> torch.Tensor:
+    """Causal attention of whole prompts on their own keys (no cached context), one torch SDPA
+    call a prompt: q `[T, Hq, D]`, k, v `[T, Hkv, D]` (strided views; Hkv divides Hq) ->
+    `[T, Hq, D]`. On a GPU cuDNN's fused kernel alone (a RuntimeError where it cannot run, never
+    a silent other backend): on an H200, Qwen3.6-27B's heads (24 / 4 of 256), an 8,192-token
+    prompt took 1.24 ms against 2.61 for the paged kernel (665 against 316 TFLOP/s), a 128-token
+    one 12.6 against 25.4 us. A one-token prompt (which cuDNN declined, torch 2.11) is its value.
+    On CPU torch's choice (tests)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    outs = []
+    t = 0
+    gqa = k.shape[1] != q.shape[1]
+    for n in prompt_lens:
+        if n == 1:  # one key: its value for each query head of its group
+            outs.append(v[t:t + 1].repeat_interleave(q.shape[1] // k.shape[1], dim=1).to(q.dtype))
+            t += 1
+            continue
+        qs, ks, vs = (x[t:t + n].unsqueeze(0).transpose(1, 2) for x in (q, k, v))
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]) if q.is_cuda else nullcontext():
+            o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                                                 enable_gqa=gqa)
+        outs.append(o[0].transpose(0, 1))  # cuDNN writes it in q's layout: [n, Hq, D] contiguous
+        t += n
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
 def act_and_mul(name: str):
     if name not in ACTIVATIONS:
         raise ValueError(f"activation {name!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
@@ -220,7 +254,7 @@ def ungated_act(name: str):
 
 
 __all__ = ["linear_op", "fp8_linear_op", "rms_norm_op", "rotary_op", "store_kv_op", "paged_attention_op",
-           "qk_norm_rope_op",
+           "prompt_attention_op", "cudnn_attention_available", "qk_norm_rope_op",
            "act_and_mul", "ungated_act", "causal_conv1d_varlen_op", "causal_conv1d_update_op", "ssd_scan_varlen_op",
            "selective_state_update_op", "selective_scan_varlen_op", "selective_scan_update_op",
            "gated_norm_op", "gated_delta_varlen_op", "gated_delta_update_op", "greedy_pick_op",

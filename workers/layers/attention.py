@@ -1,6 +1,7 @@
 """Paged attention of one layer over its view of a shared group buffer."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -8,10 +9,15 @@ import torch
 from torch import nn
 
 from kernels.kv_store import KVWrite, is_fp8
-from workers.ops import paged_attention_op, store_kv_op
+from workers.ops import cudnn_attention_available, paged_attention_op, prompt_attention_op, store_kv_op
 
 if TYPE_CHECKING:
     from workers.mamba_metadata import MambaMetadata
+
+logger = logging.getLogger(__name__)
+
+# A step of more prompts keeps the paged kernel's one launch (the route makes one call a prompt).
+PROMPT_ROUTE_MAX_SEQS = 8
 
 
 @dataclass
@@ -26,6 +32,9 @@ class AttentionMetadata:
     max_seq_len: int
     slot_mappings: list[torch.Tensor]  # per group, [num_tokens] int64
     block_tables: list[torch.Tensor]  # per group, [num_seqs, max_blocks] int32
+    # Host query lengths when every sequence starts at position 0 (its keys are all this step's):
+    # such a step may attend on its own K/V (`Attention.forward`).
+    prompt_lens: tuple[int, ...] | None = None
     mamba: MambaMetadata | None = None  # the Mamba layers' state pages (hybrid models)
 
 
@@ -51,6 +60,7 @@ class Attention(nn.Module):
         self.kv_scale_values = (1.0, 1.0)
         self.k_scale: torch.Tensor | None = None  # set for an fp8 cache
         self.v_scale: torch.Tensor | None = None
+        self.prompt_declined = 0  # route calls that cuDNN declined (each ran the paged kernel)
 
     def set_kv_scales(self, k_scale: float, v_scale: float) -> None:
         if not (k_scale > 0 and v_scale > 0):
@@ -85,15 +95,37 @@ class Attention(nn.Module):
         return KVWrite(v.reshape(n, self.num_kv_heads, self.head_dim), self._bound(), meta.slot_mappings[self.group_id],
                        self.k_scale, self.v_scale)
 
+    def takes_prompt_route(self, q: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether this step attends on its own K/V through cuDNN (`prompt_attention_op`): a step
+        of at most PROMPT_ROUTE_MAX_SEQS whole prompts, plain causal attention (no window, local
+        chunks, soft-capping or sinks), a 16-bit cache and heads of at most 256."""
+        return (meta.prompt_lens is not None and len(meta.prompt_lens) <= PROMPT_ROUTE_MAX_SEQS
+                and q.dtype in (torch.bfloat16, torch.float16) and not is_fp8(self._bound())
+                and not (self.sliding_window or self.chunk_size or self.softcap) and self.sinks is None
+                and self.head_dim <= 256 and self.head_dim % 8 == 0 and cudnn_attention_available(q.device))
+
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """k = v = None: nothing to store (a sharing layer, or the keys' launch stored them)."""
+                meta: AttentionMetadata, stored: bool = False) -> torch.Tensor:
+        """k = v = None: nothing to store and no K/V of this step to attend on (a sharing layer).
+        `stored`: k and v are already in the cache (the keys' launch stored them), given for the
+        prompt route."""
         self._bound()
         n = q.shape[0]
         q = q.reshape(n, self.num_heads, self.head_dim)
         if k is not None:
-            store_kv_op(k.reshape(n, self.num_kv_heads, self.head_dim), v.reshape(n, self.num_kv_heads, self.head_dim),
-                        self.kv_cache, meta.slot_mappings[self.group_id], k_scale=self.k_scale, v_scale=self.v_scale)
+            k = k.reshape(n, self.num_kv_heads, self.head_dim)
+            v = v.reshape(n, self.num_kv_heads, self.head_dim)
+            if not stored:
+                store_kv_op(k, v, self.kv_cache, meta.slot_mappings[self.group_id], k_scale=self.k_scale,
+                            v_scale=self.v_scale)
+            if self.takes_prompt_route(q, meta):
+                try:
+                    return prompt_attention_op(q, k, v, meta.prompt_lens, self.scale).reshape(n, -1)
+                except RuntimeError as e:  # a cuDNN build that declines the shape: this step's paged kernel
+                    if not self.prompt_declined:
+                        logger.warning("%s: cuDNN attention declined (%s); the paged kernel ran", self.layer_name,
+                                       str(e).splitlines()[0] if str(e) else type(e).__name__)
+                    self.prompt_declined += 1
         # q may be a view of the fused qkv output: the kernel reads it through its strides.
         out = paged_attention_op(
             q, self.kv_cache, meta.block_tables[self.group_id], meta.query_start_loc, meta.seq_lens,

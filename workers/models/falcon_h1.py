@@ -51,8 +51,7 @@ class FalconH1Attention(LlamaAttention):
         if self.rope_cache is not None:
             # The rotary launch stores the keys and the values too.
             rotary_op(q, k, positions, self.rope_cache, kv_write=self.attn.kv_write(v, meta))
-            k = v = None
-        out = self.o_proj(self.attn(q, k, v, meta))
+        out = self.o_proj(self.attn(q, k, v, meta, stored=self.rope_cache is not None))
         return out * self.out_mult if self.out_mult != 1.0 else out
 
 

@@ -125,7 +125,7 @@ class Gemma4Attention(nn.Module):
         k = k.view(n, -1, d)
         qk_norm_rope_op(q, k, positions, self.rope_cache, self.q_norm.weight, self.k_norm.weight, self.eps,
                         kv_write=self.attn.kv_write(v, meta))
-        return self.o_proj(self.attn(q, None, None, meta))
+        return self.o_proj(self.attn(q, k, v, meta, stored=True))
 
 
 class Gemma4Router(nn.Module):

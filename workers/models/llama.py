@@ -113,7 +113,7 @@ class LlamaAttention(nn.Module):
                                 self.q_norm.eps, self.gemma_norm, kv_write=kv)
             else:
                 rotary_op(q, k, positions, self.rope_cache, kv_write=kv)
-            out = self.attn(q, None, None, meta)
+            out = self.attn(q, k, v, meta, stored=True)
         else:
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)

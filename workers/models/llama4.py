@@ -105,11 +105,10 @@ class Llama4Attention(LlamaAttention):
                 qk_norm_rope_op(q, k, positions, self.rope_cache, self.unit, self.unit, self.eps, kv_write=kv)
             else:
                 rotary_op(q, k, positions, self.rope_cache, kv_write=kv)
-            k = v = None
         if self.temperature:
             scale = torch.log1p(torch.floor((positions.float() + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
             q = (q * scale[:, None, None]).to(q.dtype)
-        return self.o_proj(self.attn(q, k, v, meta))
+        return self.o_proj(self.attn(q, k, v, meta, stored=self.rope_cache is not None))
 
 
 class Llama4MoE(nn.Module):
