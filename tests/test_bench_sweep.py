@@ -118,7 +118,7 @@ def test_points_run_on_both_nodes_of_a_two_node_cluster(tiny, tmp_path):
     env = {**os.environ, "RAY_DISABLE_USAGE_STATS": "1", "RAY_AUTH_MODE": "token",
            "RAY_AUTH_TOKEN": os.urandom(16).hex()}
     run = lambda *a: subprocess.run([_ray(), *a], env=env, capture_output=True, text=True, timeout=120)  # noqa: E731
-    spec = sweep_file(tmp_path, tiny, {"batch_size": [1, 2, 3, 4]}, max_model_len=64)
+    spec = sweep_file(tmp_path, tiny, {"batch_size": [1, 2]}, max_model_len=64)
     out = str(tmp_path / "nodes")
     try:
         # Two logical CPUs a node: a point (1 CPU for its worker, 0.1 for its task) fits on one node,
@@ -135,5 +135,5 @@ def test_points_run_on_both_nodes_of_a_two_node_cluster(tiny, tmp_path):
     finally:
         run("stop", "--force")
     recs = lines(out)
-    assert len(recs) == 4 and all(r["status"] == "ok" for r in recs), recs
+    assert len(recs) == 2 and all(r["status"] == "ok" for r in recs), recs
     assert len({r["node"] for r in recs}) == 2, [r["node"] for r in recs]
