@@ -70,6 +70,8 @@ def _mamba(seqs: list[SeqStep], lens_q: list[int], tables: list[torch.Tensor], b
     computed_dev = torch.from_numpy(computed).to(device)
     if max(lens_q) == 1:
         return decode_metadata(lookup, computed_dev, block_size)
+    kept = (stacked.cpu() > 0).any(dim=0)  # [S, entries]: a state page in some Mamba group
     start, seq, entry = (torch.from_numpy(a).to(device) for a in
-                         plan_chunks(computed, np.asarray(lens_q, dtype=np.int64), block_size, SSD_MAX_CHUNK))
+                         plan_chunks(computed, np.asarray(lens_q, dtype=np.int64), block_size, SSD_MAX_CHUNK,
+                                     lambda s, e: bool(kept[s, e])))
     return prefill_metadata(lookup, computed_dev, block_size, start, seq, entry)

@@ -229,3 +229,24 @@ def test_decode_inputs_kernel_on_random_tables(groups, mamba, width):
         decode_inputs(rows.long().to(DEVICE), pos.to(DEVICE), last.to(DEVICE), tables.to(DEVICE), None, B)
     with pytest.raises(ValueError, match="last_token"):
         decode_inputs(rows.to(DEVICE), pos.to(DEVICE), last[:-1].to(DEVICE), tables.to(DEVICE), None, B)
+
+
+def test_scan_chunks_end_only_where_a_state_is_kept():
+    """Qwen3.6-27B's 208-token blocks: an 8,192-token prompt cut at every block end takes 158
+    chunks (64, 64, 64, 16 a block); cut only where the manager keeps a state (the last block and
+    one checkpoint), 64-token chunks from the prompt's start and from the checkpoint."""
+    from workers.mamba_metadata import plan_chunks
+    bs, n = 208, 8192
+    every = plan_chunks(np.array([0]), np.array([n]), bs, 64)
+    assert len(every[1]) == 158 and set(np.diff(every[0]).tolist()) == {16, 64}
+    kept = {9, n // bs}  # the block ending at 2,080 and the last one
+    start, seq, entry = plan_chunks(np.array([0]), np.array([n]), bs, 64, lambda s, e: e in kept)
+    ends = start[1:].tolist()
+    assert 2080 in ends and all((e if e <= 2080 else e - 2080) % 64 == 0 or e in (2080, n) for e in ends)
+    assert len(seq) == 2080 // 64 + 1 + -(-(n - 2080) // 64)
+    assert entry[ends.index(2080)] == 9 and entry[-1] == (n - 1) // bs
+    # every chunk that ends at a block end names its entry (null ones write nothing); others -1
+    assert all((e == ((x // bs) - 1 if x % bs == 0 and x != n else -1)) or x == n for x, e in zip(ends, entry))
+    # a step starting inside a block: the first cut is that block's end when it keeps a state
+    start, _, entry = plan_chunks(np.array([100]), np.array([300]), bs, 64, lambda s, e: e == 1)
+    assert start.tolist() == [0, 64, 128, 192, 256, 300] and entry.tolist() == [-1, -1, -1, -1, 1]

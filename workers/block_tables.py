@@ -48,6 +48,10 @@ class BlockTables:
         self._first_needed = [g.spec.first_needed_block for g in plan.groups]
         mamba = plan.mamba_group_ids
         self.mamba_groups = torch.tensor(mamba, dtype=torch.int64, device=device) if mamba else None
+        # The Mamba groups' entries on the host too: a prefill's scan chunks end only where a
+        # state is kept (`holds_state`, `workers.mamba_metadata.plan_chunks`).
+        self._mamba_of = {g: i for i, g in enumerate(mamba)}
+        self._mamba_host = np.zeros((len(mamba), self.num_rows, self.width), dtype=np.int32) if mamba else None
 
     # ---- what changed ------------------------------------------------------------------------
     def set_row(self, req_id: str, row: int, block_ids: list[list[int]]) -> None:
@@ -75,6 +79,12 @@ class BlockTables:
     def _queue(self, group: int, row: int, start: int, ids: list[int]) -> None:
         self._index.append(np.arange(start, start + len(ids)) + (group * self.num_rows + row) * self.width)
         self._blocks.append(ids)
+        if group in self._mamba_of:
+            self._mamba_host[self._mamba_of[group], row, start:start + len(ids)] = ids
+
+    def holds_state(self, row: int, entry: int) -> bool:
+        """Whether table entry `entry` of `row` holds a state page in some Mamba group."""
+        return bool(self._mamba_host[:, row, entry].any())
 
     @property
     def num_queued(self) -> int:

@@ -201,7 +201,8 @@ class InputBatch:
                 ids[np.asarray(host_idx, dtype=np.int64)] = host_ids
             staged.token_ids, staged.logits_indices = st.put(ids), st.put(sample_idx)
             if self.tables.mamba_groups is not None and not decode:
-                start, seq, entry = plan_chunks(num_computed, qlens, self.block_size, SSD_MAX_CHUNK)
+                start, seq, entry = plan_chunks(num_computed, qlens, self.block_size, SSD_MAX_CHUNK,
+                                                lambda s, e: self.tables.holds_state(int(rows[s]), e))
                 staged.chunk_start, staged.chunk_seq, staged.chunk_entry = st.put(start), st.put(seq), st.put(entry)
             if dev_idx:
                 staged.device_token_index, staged.device_token_rows = st.put(dev_idx), st.put(dev_rows)

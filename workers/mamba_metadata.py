@@ -7,8 +7,13 @@ ends inside the step to that block's entry when the entry is not null (a checkpo
 kept for prefix caching). A page id <= 0 is "none" to the kernels: read as zeros, never written.
 
 For a prefill the host cuts the step's tokens into scan chunks: at each sequence's end, at every
-block end (where a checkpoint may be written) and every `max_chunk` tokens; the chunk ending at a
-block end or at the sequence's end carries the table entry whose page receives the state there.
+block end where a checkpoint is written (given `holds_state`, the block ends whose entry holds a
+page in some Mamba group; without it, every block end) and every `max_chunk` tokens from the last
+cut; the chunk ending at a block end or at the sequence's end carries the table entry whose page
+receives the state there. Cutting only where a state is kept matters when the block size is no
+multiple of the chunk: Qwen3.6-27B's 208-token blocks would cut an 8,192-token prompt into 158
+chunks (64, 64, 64, 16 a block) where 128 and the kept checkpoints do; each is a step of the scans'
+chains.
 All Mamba groups see the same tokens, so the chunks are computed once and only the page ids
 differ per group: one gather from the tables per step gives them all.
 """
@@ -41,10 +46,12 @@ class MambaMetadata:
         return self.write_pages is not None
 
 
-def plan_chunks(num_computed: np.ndarray, qlens: np.ndarray, block_size: int,
-                max_chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def plan_chunks(num_computed: np.ndarray, qlens: np.ndarray, block_size: int, max_chunk: int,
+                holds_state: Callable[[int, int], bool] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(chunk_start [NC+1], chunk_seq [NC], chunk_entry [NC]) of a prefill step on the host;
-    chunk_entry is the table entry written after the chunk, -1 for none."""
+    chunk_entry is the table entry written after the chunk, -1 for none. `holds_state(s, entry)`:
+    whether sequence s's table entry holds a page in some Mamba group (None: cut at every block
+    end)."""
     starts: list[int] = [0]
     seqs: list[int] = []
     entries: list[int] = []
@@ -53,12 +60,17 @@ def plan_chunks(num_computed: np.ndarray, qlens: np.ndarray, block_size: int,
         end = c + n
         pos = c
         while pos < end:
+            stop = min(end, pos + max_chunk)
             block_end = (pos // block_size + 1) * block_size
-            stop = min(end, block_end, pos + max_chunk)
+            while block_end < stop:
+                if holds_state is None or holds_state(s, block_end // block_size - 1):
+                    stop = block_end
+                    break
+                block_end += block_size
             if stop == end:
                 entry = (end - 1) // block_size
-            elif stop == block_end:
-                entry = block_end // block_size - 1
+            elif stop % block_size == 0:
+                entry = stop // block_size - 1
             else:
                 entry = -1
             t += stop - pos
