@@ -122,10 +122,6 @@ def test_hybrid_prefix_hits_preemption_and_chunking_give_transformers_tokens(tmp
         "tiny token budget (chunked prefill)": (dict(max_num_batched_tokens=16, mamba_checkpoint_interval=1), GREEDY),
         "TP=2, chunked": (dict(tensor_parallel_size=2, max_num_batched_tokens=24), GREEDY),
     }
-    if name == "gemma4_moe":
-        # Gemma 4's attention layout and its pool are gemma4's, which runs these two: the experts
-        # keep no state across steps, and this one's chunked and TP=2 runs stay.
-        del runs["no prefix caching"], runs["tiny pool (preemption)"]
     for what, (extra, params) in runs.items():
         with LLM(folder, **{**kw, **extra}) as llm:
             outs = run(llm, params)
