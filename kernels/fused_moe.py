@@ -101,16 +101,27 @@ def row_tiles(topk_ids: torch.Tensor, num_experts: int, block_m: int, pair_tiles
 
 
 @triton.jit
-def tile_rows(rows_ptr, bexp_ptr, num_rows, BLOCK_M: tl.constexpr, PAIR_TILES: tl.constexpr):
-    """`RowTiles` in a GEMM program: the expert of its row tile (-1: none) and the tile's rows
-    (num_rows: padding)."""
-    pid_m = tl.program_id(0)
+def tile_rows(rows_ptr, bexp_ptr, num_rows, n_tiles, BLOCK_M: tl.constexpr, PAIR_TILES: tl.constexpr):
+    """`RowTiles` in a GEMM program of `grid_of`'s grid: the expert of its row tile (-1: none),
+    the tile's rows (num_rows: padding) and its column tile."""
+    pid_m = tl.program_id(0) // n_tiles
     expert = tl.load(bexp_ptr + pid_m).to(tl.int64)
     if PAIR_TILES:
         rows = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_rows)
     else:
         rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    return expert, rows
+    return expert, rows, tl.program_id(0) % n_tiles
+
+
+def grid_of(tiles: RowTiles, n: int, block_n: int) -> tuple[tuple[int], int]:
+    """A grouped GEMM's grid and its column tiles a row tile. The column tiles of one row tile are
+    consecutive programs (`tile_rows`), so that they run side by side and read the tile's rows and
+    the expert's weights from L2, where launching the row tiles first made each column tile walk
+    every expert again. One H200, prefill steps in CUDA graphs, us: Qwen3.6-35B-A3B's experts at
+    8,192 tokens 1,233 against 1,290, Granite-4.0-H-Small's 3,288 against 3,508, 1,024 tokens 4-6%
+    faster at four shapes, decode sizes the same."""
+    n_tiles = triton.cdiv(n, block_n)
+    return (tiles.num_tiles * n_tiles,), n_tiles
 
 
 def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,7 +133,10 @@ def moe_align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
-    order = torch.sort(flat, stable=True).indices  # pairs grouped by expert, in token order within one
+    # The narrowest key that holds the ids: the GPU's radix sort makes a pass a key byte (one H200,
+    # 65,536 pairs of 256 experts, in a CUDA graph: this function 92 us with uint8 against 147 with int64).
+    key = flat.to(torch.uint8) if num_experts <= 256 else flat.to(torch.int16) if num_experts <= 32768 else flat
+    order = torch.sort(key, stable=True).indices  # pairs grouped by expert, in token order within one
     expert_of = flat[order]
     rank = torch.arange(n, device=dev) - (torch.cumsum(counts, 0) - counts)[expert_of]
     rows = torch.full((size,), n, dtype=torch.int32, device=dev)
@@ -185,7 +199,7 @@ def moe_align_kernel(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
 
 
 @triton.jit(do_not_specialize=["num_rows"])  # T*k changes with every prefill's length
-def _moe_gemm_kernel(a_ptr, w_ptr, b_ptr, c_ptr, rw_ptr, rows_ptr, bexp_ptr, N, K, num_rows,
+def _moe_gemm_kernel(a_ptr, w_ptr, b_ptr, c_ptr, rw_ptr, rows_ptr, bexp_ptr, N, K, num_rows, n_tiles,
                      stride_am, stride_we, stride_wn, stride_be, stride_cm,
                      A_ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_ROUTED: tl.constexpr,
                      ACT: tl.constexpr, GATED: tl.constexpr, PAIR_TILES: tl.constexpr,
@@ -195,11 +209,11 @@ def _moe_gemm_kernel(a_ptr, w_ptr, b_ptr, c_ptr, rw_ptr, rows_ptr, bexp_ptr, N, 
     for the tile's expert e. ACT >= 0 (`kernels.activation.apply_act`) applies the activation to
     the tile; GATED: of w[e]'s rows n (gate) and N + n (up), c being [.., N]."""
     pdl_wait(PDL)
-    expert, rows = tile_rows(rows_ptr, bexp_ptr, num_rows, BLOCK_M, PAIR_TILES)
+    expert, rows, pid_n = tile_rows(rows_ptr, bexp_ptr, num_rows, n_tiles, BLOCK_M, PAIR_TILES)
     if expert < 0:
         return
     row_ok = rows < num_rows
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     rk = tl.arange(0, BLOCK_K)
     a_rows = a_ptr + (rows // A_ROW_DIV).to(tl.int64)[:, None] * stride_am
@@ -272,10 +286,10 @@ def _grouped_gemm(a, w, b, tiles: RowTiles, out, routed, a_row_div: int, cfg: di
     k = w.shape[2]
     code, gated = act if act is not None else (-1, False)
     n = out.shape[1]
-    grid = (tiles.num_tiles, triton.cdiv(n, cfg["BLOCK_N"]))
+    grid, n_tiles = grid_of(tiles, n, cfg["BLOCK_N"])
     _moe_gemm_kernel[grid](
         a, w, b if b is not None else w, out, routed if routed is not None else out, tiles.rows, tiles.block_expert,
-        n, k, out.shape[0], a.stride(0), w.stride(0), w.stride(1), b.stride(0) if b is not None else 0,
+        n, k, out.shape[0], n_tiles, a.stride(0), w.stride(0), w.stride(1), b.stride(0) if b is not None else 0,
         out.stride(0), A_ROW_DIV=a_row_div, HAS_BIAS=b is not None, MUL_ROUTED=routed is not None,
         ACT=code, GATED=gated, PAIR_TILES=tiles.pair_tiles, DOT_F32=_interpreter_bf16(a),
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from kernels.activation import swiglu_oai, swiglu_oai_and_mul_ref
-from kernels.fused_moe import ROW_BANDS, RowTiles, _sum_over_k, fused_experts_ref, row_tiles, tile_rows
+from kernels.fused_moe import ROW_BANDS, RowTiles, _sum_over_k, fused_experts_ref, grid_of, row_tiles, tile_rows
 from kernels.paged_attention import _interpreter_bf16
 from kernels.pdl import pdl_args, pdl_wait
 
@@ -112,7 +112,7 @@ def _mxfp4_to_float(w, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["num_rows"])  # T*k changes with every prefill's length
-def _moe_mxfp4_gemm_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, rows_ptr, bexp_ptr, N, K, num_rows,
+def _moe_mxfp4_gemm_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, rows_ptr, bexp_ptr, N, K, num_rows, n_tiles,
                            stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_cm, alpha, limit,
                            A_ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_ROUTED: tl.constexpr,
                            SWIGLU: tl.constexpr, SCALED_DOT: tl.constexpr, PAIR_TILES: tl.constexpr,
@@ -122,11 +122,11 @@ def _moe_mxfp4_gemm_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, rows_ptr, 
     for the tile's expert e, w[e] MXFP4 (K a multiple of 32). With SWIGLU the tile's columns are
     (gate, up) pairs and [BLOCK_M, BLOCK_N / 2] of gpt-oss's activation of them is written."""
     pdl_wait(PDL)
-    expert, rows = tile_rows(rows_ptr, bexp_ptr, num_rows, BLOCK_M, PAIR_TILES)
+    expert, rows, pid_n = tile_rows(rows_ptr, bexp_ptr, num_rows, n_tiles, BLOCK_M, PAIR_TILES)
     if expert < 0:
         return
     row_ok = rows < num_rows
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
     rk = tl.arange(0, BLOCK_K)
     rb = tl.arange(0, BLOCK_K // 2)
@@ -159,7 +159,7 @@ def _moe_mxfp4_gemm_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, rows_ptr, 
     if SWIGLU:
         gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
         out = swiglu_oai(gate, up, alpha, limit)
-        cols = tl.program_id(1) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         tl.store(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :], out.to(c_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & (cols < N // 2)[None, :])
     else:
@@ -357,11 +357,11 @@ def _grouped_gemm_mxfp4(a, w: MXFP4Weight, b, tiles: RowTiles, out, routed, a_ro
         raise ValueError(f"BLOCK_K must be a multiple of {MXFP4_BLOCK}, got {cfg['BLOCK_K']}")
     if act is not None and (routed is not None or n % 2):
         raise ValueError("the fused activation takes (gate, up) row pairs and no routing weights")
-    grid = (tiles.num_tiles, triton.cdiv(n, cfg["BLOCK_N"]))
+    grid, n_tiles = grid_of(tiles, n, cfg["BLOCK_N"])
     _moe_mxfp4_gemm_kernel[grid](
         a, w.blocks, w.scales, b if b is not None else a, out, routed if routed is not None else out, tiles.rows,
-        tiles.block_expert, n, k, out.shape[0], a.stride(0), w.blocks.stride(0), w.blocks.stride(1), w.scales.stride(0),
-        w.scales.stride(1), b.stride(0) if b is not None else 0, out.stride(0),
+        tiles.block_expert, n, k, out.shape[0], n_tiles, a.stride(0), w.blocks.stride(0), w.blocks.stride(1),
+        w.scales.stride(0), w.scales.stride(1), b.stride(0) if b is not None else 0, out.stride(0),
         act.alpha if act is not None else 0.0, act.limit if act is not None else 0.0, A_ROW_DIV=a_row_div,
         HAS_BIAS=b is not None, MUL_ROUTED=routed is not None, SWIGLU=act is not None, SCALED_DOT=scaled_dot,
         PAIR_TILES=tiles.pair_tiles,
