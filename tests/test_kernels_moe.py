@@ -400,6 +400,34 @@ def test_topk_sigmoid(impl, shared, k):
         impl(logits, 17, torch.float32, shared)
 
 
+@pytest.mark.parametrize("experts,shared_gate,bias", [(13, True, False), (16, False, False), (6, False, True)],
+                         ids=["257-like", "aligned", "bias"])
+def test_router_pads_its_rows_and_gives_the_logits_of_its_checkpoint(experts, shared_gate, bias):
+    """The router's weight (and bias) hold zero rows up to a multiple of 8 (aligned outputs for
+    cuBLAS); its logits are those of the checkpoint's rows alone, the shared gate's last."""
+    from workers.layers.moe import Router
+    g = torch.Generator().manual_seed(5)
+    h = 32
+    r = Router(h, experts, torch.float32, torch.device(DEVICE), bias=bias, shared_gate=shared_gate, name="r")
+    rows = experts + shared_gate
+    assert r.weight.shape[0] % 8 == 0 and r.weight.shape[0] - rows < 8
+    w, sg = torch.randn(experts, h, generator=g), torch.randn(1, h, generator=g)
+    b = torch.randn(experts, generator=g)
+    r.weight_loader(r.weight, w)
+    if shared_gate:
+        r.weight_loader(r.weight, sg, "shared")
+    if bias:
+        r.weight_loader(r.bias, b)
+    assert not r.weight[rows:].any() and (r.bias is None or not r.bias[experts:].any())
+    for t in (1, 5, 40):  # the GEMV, the skinny GEMM, F.linear
+        x = torch.randn(t, h, generator=g)
+        want = x.double() @ torch.cat([w, sg] if shared_gate else [w]).double().T + (b.double() if bias else 0)
+        got = r(x.to(DEVICE))
+        assert got.shape == (t, rows) and torch.allclose(got.double().cpu(), want, atol=1e-4)
+    with pytest.raises(ValueError, match="shape"):
+        r.weight_loader(r.weight, torch.randn(experts + 1, h))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_weights_on_the_experts_input(dtype):
     """`weight_input` (Llama-4): sum_j W2 act(W13 (w_tj x_t)), the weight scaling each pair's input

@@ -443,7 +443,8 @@ def test_qwen_shared_expert_joins_the_experts_stack(tmp_path):
     assert experts.routed_bytes() == 4 * (experts.w13[0].numel() + experts.w2[0].numel()) * 4  # (the roofline's)
     router = half.model.layers[0].mlp.gate.weight
     assert torch.equal(router[:4], state[f"{mlp}.gate.weight"])
-    assert torch.equal(router[4:], state[f"{mlp}.shared_expert_gate.weight"])
+    assert torch.equal(router[4:5], state[f"{mlp}.shared_expert_gate.weight"])
+    assert router.shape[0] == 8 and not router[5:].any()  # zero rows up to a multiple of 8
 
     hf.config.save_pretrained(tmp_path)
     del state[f"{mlp}.shared_expert_gate.weight"]
@@ -475,7 +476,8 @@ def test_llama4_experts_layout_and_quantized_checkpoints(tmp_path):
     assert torch.equal(experts.w2[:4], down[:, 64:].transpose(1, 2))
     assert torch.equal(experts.w13[4, :64], state[f"{ff}.shared_expert.gate_proj.weight"][64:])
     assert torch.equal(experts.w2[4], state[f"{ff}.shared_expert.down_proj.weight"][:, 64:])
-    assert torch.equal(half.model.layers[1].feed_forward.router.weight, state[f"{ff}.router.weight"])
+    router = half.model.layers[1].feed_forward.router  # (its rows padded to a multiple of 8)
+    assert torch.equal(router.weight[:router.rows], state[f"{ff}.router.weight"])
     q = state["language_model.model.layers.1.self_attn.q_proj.weight"]  # 4 heads of 16; rank 1: heads 2, 3
     perm = torch.cat([torch.arange(0, 16, 2), torch.arange(1, 16, 2)])
     assert torch.equal(half.model.layers[1].self_attn.qkv_proj.weight[:16], q[32:48][perm])
