@@ -340,7 +340,7 @@ def test_prompt_logprobs_equal_transformers(qwen3, ray_cluster, tp):
 # sliding windows (Gemma 2), the 5:1 local/global rotaries (Gemma 3), sinks with experts
 # (gpt-oss), chunked-local and NoPE layers in the multimodal checkpoint's layout (Llama-4).
 # The other families share their engine path with one of these (their TP=2 run on Ray was
-# about 13 s each on the CPU CI host, for no path of its own).
+# about 13 s each on two CPU cores, for no path of its own).
 TP2_RAY_FAMILIES = ["gemma2", "gemma3", "gpt_oss", "llama4_vl"]
 
 
