@@ -60,10 +60,13 @@ def _attend_tile(q, m_i, l_i, acc, tile, kv_lo, kv_hi, pos, bt_row, k_ptr, v_ptr
                  BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                  SLIDING_WINDOW: tl.constexpr, CHUNK: tl.constexpr, USE_SOFTCAP: tl.constexpr,
                  HAS_HEAD_SCALE: tl.constexpr, FP8: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr,
-                 GROUPED: tl.constexpr, FP8_PV: tl.constexpr, INTERPRET: tl.constexpr, EDGE: tl.constexpr):
+                 GROUPED: tl.constexpr, FP8_PV: tl.constexpr, INTERPRET: tl.constexpr, EDGE: tl.constexpr,
+                 V_FIRST: tl.constexpr):
     """One key tile's scores, softmax update and values: the running (m_i, l_i, acc) after keys
     [tile * TILE_N, + TILE_N) of [kv_lo, kv_hi). GROUPED: an fp8 cache's values in their groups
-    (`kernels.kv_store.value_group`)."""
+    (`kernels.kv_store.value_group`). V_FIRST: the values (ungrouped) loaded with the keys, before
+    the scores: a split decode program walks a tile or two, so its loads are not pipelined, and
+    the values' load waited for the scores."""
     offs = tile * TILE_N + tl.arange(0, TILE_N)
     key_ok = (offs >= kv_lo) & (offs < kv_hi)
     block = tl.load(bt_row + offs // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
@@ -72,6 +75,9 @@ def _attend_tile(q, m_i, l_i, acc, tile, kv_lo, kv_hi, pos, bt_row, k_ptr, v_ptr
         g_ok = (gkey + VALUE_GROUP > kv_lo) & (gkey < kv_hi)
         gblock = tl.load(bt_row + gkey // BLOCK_SIZE, mask=g_ok, other=0).to(tl.int64)
     slot = offs % BLOCK_SIZE
+    if V_FIRST and not GROUPED:
+        v_early = tl.load(v_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vt + kv_head * stride_vh
+                          + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
     k = tl.load(k_ptr + block[None, :] * stride_kb + slot[None, :] * stride_kt + kv_head * stride_kh
                 + dims[:, None], mask=key_ok[None, :] & dim_ok[:, None], other=0.0)
     if FP8:
@@ -121,6 +127,8 @@ def _attend_tile(q, m_i, l_i, acc, tile, kv_lo, kv_hi, pos, bt_row, k_ptr, v_ptr
             keep = (key >= kv_lo) & (key < kv_hi)
             vt = tl.where(keep, vt.to(tl.uint8, bitcast=True), 0).to(vt.dtype, bitcast=True)
         v = tl.trans(tl.reshape(vt, [HEAD_DIM_PAD, TILE_N]))
+    elif V_FIRST:
+        v = v_early
     else:
         v = tl.load(v_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vt + kv_head * stride_vh
                     + dims[None, :], mask=key_ok[:, None] & dim_ok[None, :], other=0.0)
@@ -258,7 +266,7 @@ def _paged_attention_kernel(
                 q, m_i, l_i, acc, tile_lo, kv_lo, kv_hi, pos, bt_row, k_ptr, v_ptr, kv_head, dims, dim_ok,
                 scale, qk_scale, softcap, row_scale, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
                 stride_vh, BLOCK_SIZE, TILE_N, HEAD_DIM_PAD, SLIDING_WINDOW, CHUNK, USE_SOFTCAP, HAS_HEAD_SCALE,
-                FP8, DOT_F32, PRECISION, GROUPED, FP8_PV, INTERPRET, True)
+                FP8, DOT_F32, PRECISION, GROUPED, FP8_PV, INTERPRET, True, False)
         loop_lo = tile_lo + 1
         loop_hi = tile_hi - 1
     for tile in range(loop_lo, loop_hi):
@@ -266,14 +274,14 @@ def _paged_attention_kernel(
             q, m_i, l_i, acc, tile, kv_lo, kv_hi, pos, bt_row, k_ptr, v_ptr, kv_head, dims, dim_ok, scale,
             qk_scale, softcap, row_scale, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
             BLOCK_SIZE, TILE_N, HEAD_DIM_PAD, SLIDING_WINDOW, CHUNK, USE_SOFTCAP, HAS_HEAD_SCALE, FP8, DOT_F32,
-            PRECISION, GROUPED, FP8_PV, INTERPRET, False)
+            PRECISION, GROUPED, FP8_PV, INTERPRET, False, DECODE and NUM_SPLITS > 1)
     if FP8_PV:
         if tile_hi - 1 > tile_lo:
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, tile_hi - 1, kv_lo, kv_hi, pos, bt_row, k_ptr, v_ptr, kv_head, dims, dim_ok,
                 scale, qk_scale, softcap, row_scale, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt,
                 stride_vh, BLOCK_SIZE, TILE_N, HEAD_DIM_PAD, SLIDING_WINDOW, CHUNK, USE_SOFTCAP, HAS_HEAD_SCALE,
-                FP8, DOT_F32, PRECISION, GROUPED, FP8_PV, INTERPRET, True)
+                FP8, DOT_F32, PRECISION, GROUPED, FP8_PV, INTERPRET, True, False)
 
     if FP8:
         acc = acc * tl.load(v_scale_ptr)
@@ -293,7 +301,8 @@ def _paged_attention_kernel(
 def _merge_splits_kernel(out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_oh, stride_pt, stride_ph,
                          stride_ps, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                          PDL: tl.constexpr):
-    """out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M), per (token, head)."""
+    """out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M), per (token, head); the partials
+    loaded at once (one round trip, not two)."""
     pdl_wait(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -302,12 +311,12 @@ def _merge_splits_kernel(out_ptr, part_acc_ptr, part_ml_ptr, stride_ot, stride_o
     base = t * stride_pt + h * stride_ph + splits * stride_ps
     m = tl.load(part_ml_ptr + base * 2)
     l_s = tl.load(part_ml_ptr + base * 2 + 1)
+    acc = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM_PAD + dims[None, :])
     m_max = tl.max(m, 0)
     # Empty splits have m = -inf: weight 0. A sequence with no keys at all (a CUDA graph's
     # padding) has every split empty: its output is 0, not NaN.
     w = tl.where(m > float("-inf"), tl.exp2(m - m_max), 0.0)
     denom = tl.sum(l_s * w, 0)
-    acc = tl.load(part_acc_ptr + base[:, None] * HEAD_DIM_PAD + dims[None, :])
     out = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
              mask=dims < HEAD_DIM)
