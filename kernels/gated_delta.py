@@ -46,16 +46,19 @@ inverses with products): the same blocking, here kept in registers.
 Prefill, split form (a few long sequences: the fused walk of one sequence is a chain of ~128
 chunk steps, each with a solve), FLA's layout in three launches:
 1. `_gdn_chunk_prep_kernel`, a program per (chunk, value head), all in parallel, solves for
-   W = T (beta exp(G) k) [L, K] and U = T (beta v) [L, V] and forms the decayed q k^T P;
+   W = T (beta exp(G) k) [L, K] and U = T (beta v) [L, V], forms the decayed q k^T P, and
+   stores what the walk multiplies by: k decayed to the chunk's end and exp(G_L);
 2. `_gdn_chunk_walk_kernel` walks each sequence with two products a chunk, v_new = U - W S and
    the state update, and stores v_new and the state entering each chunk;
 3. `_gdn_chunk_out_kernel`, a program per (chunk, value head), all in parallel, forms the
    outputs exp(G) q S + P v_new.
-Only the walk is a chain, so it is kept to what the recurrence needs (two products and the
-conversions between them; with the outputs in it, the walk of Qwen3.6-27B's heads over 8,192
-tokens took ~690 us against 477 now, see `default_config`). W, P, v_new
-and the states go through memory in the activation dtype (each is a dot operand, rounded as the
-fused form rounds it: the outputs are the fused form's), U in fp32.
+Only the walk is a chain, so it is kept to what the recurrence needs: two products, the
+conversions between them, and loads that Triton's pipeliner issues a chunk or two ahead (every
+operand comes from memory; with the outputs in it, the walk of Qwen3.6-27B's heads over 8,192
+tokens took ~690 us; recomputing the decayed k from k, a and b in it 469; reading it 328, see
+`default_config`). W, P, v_new, the decayed k and the states go through memory in the
+activation dtype (each is a dot operand, rounded as the fused form rounds it: the outputs are
+the fused form's), U in fp32.
 
 Numerics (as FLA's kernels, which transformers runs on GPUs when they are installed): q and k normalised in fp32, then, for 16-bit
 inputs, the dot operands in the activation dtype (q, k, the state entering k S and q S, the
@@ -275,16 +278,17 @@ def _gdn_varlen_kernel(
 
 @triton.jit
 def _gdn_chunk_prep_kernel(
-    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, p_ptr, cstart_ptr,
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, kw_ptr, egl_ptr, u_ptr, p_ptr, cstart_ptr,
     K, V, v_per_k, scale,
-    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sa_t, sb_t, sw_t, sw_h, su_t, su_h, sp_c, sp_h,
+    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sa_t, sb_t, sw_t, sw_h, se_c, su_t, su_h, sp_c, sp_h,
     BLOCK_L: tl.constexpr, SUB: tl.constexpr, LOG2_SUB: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, SOLVE_PRECISION: tl.constexpr,
 ):
     """Phase 1 of the split prefill, one program per (chunk, value head), all in parallel: what
     a chunk needs that does not depend on the state entering it. With T = (I + A)^-1:
-    W = T (beta exp(G) k) [L, K] (DT), U = T (beta v) [L, V] (fp32), and the decayed causal
-    q k^T P [L, L] (DT), so that phase 2 computes v_new = U - W S."""
+    W = T (beta exp(G) k) [L, K] (DT), U = T (beta v) [L, V] (fp32), the decayed causal
+    q k^T P [L, L] (DT), k exp(G_L - G) [L, K] (DT) and exp(G_L), so that phase 2 computes
+    v_new = U - W S and the next state from loads alone."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // v_per_k
@@ -300,6 +304,10 @@ def _gdn_chunk_prep_kernel(
     dt_b = tl.load(dtb_ptr + h).to(tl.float32)
     qd, kd, kw, beta, eG, eGL, decay = _chunk_qk(q_ptr, k_ptr, a_ptr, b_ptr, t0l, n, hk, h, neg_A, dt_b, scale,
                                                  sq_t, sq_h, sk_t, sk_h, sa_t, sb_t, K, BLOCK_L, BLOCK_K, DT, DOT_F32)
+    # stored at once, so that kw's registers are free for the solves (498 us against 509 stored last)
+    tile = lm[:, None] & (kk < K)[None, :]
+    tl.store(kw_ptr + t0l * sw_t + h * sw_h + l[:, None] * sw_t + kk[None, :], kw.to(DT), mask=tile)
+    tl.store(egl_ptr + c.to(tl.int64) * se_c + h, eGL)
     P = tl.dot(qd, tl.trans(kd), input_precision=PRECISION) * decay
     tl.store(p_ptr + c.to(tl.int64) * sp_c + h * sp_h + l[:, None] * BLOCK_L + l[None, :], P.to(DT))
     strict = l[:, None] > l[None, :]
@@ -307,8 +315,7 @@ def _gdn_chunk_prep_kernel(
     Dinv, Nm = _solve_blocks(A, BLOCK_L, SUB, LOG2_SUB, SOLVE_PRECISION)
     kf = kd.to(tl.float32)
     W = _solve(Dinv, Nm, (beta * eG)[:, None] * kf, n, BLOCK_L, SUB, BLOCK_K, SOLVE_PRECISION)
-    tl.store(w_ptr + t0l * sw_t + h * sw_h + l[:, None] * sw_t + kk[None, :], W.to(DT),
-             mask=lm[:, None] & (kk < K)[None, :])
+    tl.store(w_ptr + t0l * sw_t + h * sw_h + l[:, None] * sw_t + kk[None, :], W.to(DT), mask=tile)
     vmask = lm[:, None] & (vv < V)[None, :]
     v = tl.load(v_ptr + t0l * sv_t + h * sv_h + l[:, None] * sv_t + vv[None, :], mask=vmask, other=0.0).to(tl.float32)
     U = _solve(Dinv, Nm, beta[:, None] * v, n, BLOCK_L, SUB, BLOCK_V, SOLVE_PRECISION)
@@ -317,12 +324,12 @@ def _gdn_chunk_prep_kernel(
 
 @triton.jit(do_not_specialize=["num_chunks"])
 def _gdn_chunk_walk_kernel(
-    k_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, w_ptr, u_ptr, x_ptr, snap_ptr, state_ptr,
+    kw_ptr, egl_ptr, w_ptr, u_ptr, x_ptr, snap_ptr, state_ptr,
     qsl_ptr, init_ptr, cstart_ptr, cpage_ptr,
-    num_chunks, K, V, v_per_k,
-    sk_t, sk_h, sa_t, sb_t, sw_t, sw_h, su_t, su_h, sx_t, sx_h, sn_c, sn_h, st_page, st_h, st_k,
+    num_chunks, K, V,
+    sw_t, sw_h, su_t, su_h, sx_t, sx_h, sn_c, sn_h, se_c, st_page, st_h, st_k,
     BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, DOT_F32: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, STAGES: tl.constexpr,
 ):
     """Phase 2 of the split prefill, one program per (sequence, value head, BLOCK_V state
     columns), walking the sequence's chunks in order with two products a chunk: v_new = U - W S
@@ -335,7 +342,6 @@ def _gdn_chunk_walk_kernel(
     seq_end = tl.load(qsl_ptr + s + 1)
     if seq_start >= seq_end:
         return
-    hk = h // v_per_k
     DT: tl.constexpr = x_ptr.dtype.element_ty
     kk = tl.arange(0, BLOCK_K)
     vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -347,32 +353,30 @@ def _gdn_chunk_walk_kernel(
     page = tl.load(init_ptr + s).to(tl.int64)
     ok = st_mask & (tl.zeros(st_mask.shape, tl.int64) + page > 0)
     state = tl.load(state_ptr + page * st_page + h * st_h + st_off, mask=ok, other=0.0).to(tl.float32)
-    neg_A = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
-    dt_b = tl.load(dtb_ptr + h).to(tl.float32)
     c_begin = _first_ge(cstart_ptr, num_chunks, seq_start)
     c_end = _first_ge(cstart_ptr, num_chunks, seq_end)
-    for c in range(c_begin, c_end):
+    for c in tl.range(c_begin, c_end, num_stages=STAGES):
         t0 = tl.load(cstart_ptr + c)
         n = tl.load(cstart_ptr + c + 1) - t0
         lm = l < n
         t0l = t0.to(tl.int64)
-        # the chunk's decayed k again (cheaper than a round trip through memory)
-        g, to_end, _beta_unused = _chunk_gates(a_ptr, b_ptr, t0l, n, h, neg_A, dt_b, sa_t, sb_t, BLOCK_L)
-        kn = _load_normed(k_ptr, t0l, hk, sk_t, sk_h, n, K, 1.0, BLOCK_L, BLOCK_K)
-        kw = _dot_operand(kn * tl.exp(to_end)[:, None], DT, DOT_F32)
-        eGL = tl.exp(tl.sum(g, axis=0))
-        W = tl.load(w_ptr + t0l * sw_t + h * sw_h + l[:, None] * sw_t + kk[None, :], mask=lm[:, None] & km[None, :],
-                    other=0.0)
+        tile = lm[:, None] & km[None, :]
+        cl = c + tl.zeros([], tl.int64)
+        wpage = tl.load(cpage_ptr + c).to(tl.int64)
+        kw = tl.load(kw_ptr + t0l * sw_t + h * sw_h + l[:, None] * sw_t + kk[None, :], mask=tile, other=0.0)
+        eGL = tl.load(egl_ptr + cl * se_c + h)
+        W = tl.load(w_ptr + t0l * sw_t + h * sw_h + l[:, None] * sw_t + kk[None, :], mask=tile, other=0.0)
         U = tl.load(u_ptr + t0l * su_t + h * su_h + l[:, None] * su_t + vv[None, :], mask=lm[:, None] & vm[None, :],
                     other=0.0)
+        if DOT_F32:
+            kw, W = kw.to(tl.float32), W.to(tl.float32)
         Sd = _dot_operand(state, DT, DOT_F32)
-        tl.store(snap_ptr + (c + tl.zeros([], tl.int64)) * sn_c + h * sn_h + st_off, Sd.to(DT), mask=st_mask)
-        x = U - tl.dot(_dot_operand(W.to(tl.float32), DT, DOT_F32), Sd, input_precision=PRECISION)
+        tl.store(snap_ptr + cl * sn_c + h * sn_h + st_off, Sd.to(DT), mask=st_mask)
+        x = U - tl.dot(W, Sd, input_precision=PRECISION)
         xd = _dot_operand(x, DT, DOT_F32)
         tl.store(x_ptr + t0l * sx_t + h * sx_h + l[:, None] * sx_t + vv[None, :], xd.to(DT),
                  mask=lm[:, None] & vm[None, :])
         state = tl.dot(tl.trans(kw), xd, state * eGL, input_precision=PRECISION)
-        wpage = tl.load(cpage_ptr + c).to(tl.int64)
         if wpage > 0:
             tl.store(state_ptr + wpage * st_page + h * st_h + st_off, state, mask=st_mask)
 
@@ -500,10 +504,12 @@ def default_config(K: int, V: int, num_seqs_x_heads: int, device: torch.device, 
     `split`: when the fused kernel's programs (a sequence's chunks walked in order by each) would
     not fill the GPU four times over (a long prompt alone, a few prompts), the split form runs
     (the module docstring), at the price of writing and reading W, U, P, v_new and a state a
-    chunk (about 2.4 KB per token and value head at K = V = 128). Its walk's programs take 32
-    state columns on 4 warps (the bf16 faults above are the fused kernel's, whose programs also
-    solve), and its solves 4 warps. `split` given: that form's launch. Pass `config=` to override
-    any of it ("prep_warps": the solves' launch)."""
+    chunk (about 2.4 KB per token and value head at K = V = 128), and the decayed k (256 bytes
+    more). Its walk's programs take 32 state columns on 4 warps (the bf16 faults above are the
+    fused kernel's, whose programs also solve), their loads pipelined 3 deep ("walk_stages": the
+    loop's `num_stages`; 1, no pipelining, gave wrong outputs on an H200 with Triton 3.6 and is
+    refused), and its solves 4 warps. `split` given: that form's launch. Pass `config=` to
+    override any of it ("prep_warps": the solves' launch)."""
     bv = min(64, max(16, triton.next_power_of_2(V)))
     bk = max(16, triton.next_power_of_2(K))
     sms = _num_sms(device) if device.type == "cuda" else 132
@@ -513,8 +519,12 @@ def default_config(K: int, V: int, num_seqs_x_heads: int, device: torch.device, 
         # H200, one 8,192-token sequence, Qwen3.6-27B's heads (16 key, 48 value; `python -m
         # kernels.bench.gated_delta --sweep`), us: the solves 496 on 4 warps against 814 on 8;
         # the walk 477 with 32 columns on 4 warps, 588 with 64 on 8, 695 with 64 on 4, 912 with
-        # 32 on 2 (the walk with the outputs in it: ~690 with 64 on 8).
-        return {"BLOCK_V": min(32, bv), "num_warps": 4, "num_stages": 2, "split": True, "prep_warps": 4}
+        # 32 on 2 (the walk with the outputs in it: ~690 with 64 on 8). With the decayed k read
+        # rather than recomputed: the walk 328 (the solves 498 against 452 for the extra store;
+        # the three launches 985 against 1,075), 3 stages; 2 stages 332, 4 328; 64 columns on 8
+        # warps ~600 (the decayed k recomputed and its loads pipelined: 532-548).
+        return {"BLOCK_V": min(32, bv), "num_warps": 4, "num_stages": 2, "split": True, "prep_warps": 4,
+                "walk_stages": 3}
     # H200, K = V = 128, 32 heads: the fused kernel over 8 x 1,024 tokens 0.98 ms with 4 warps
     # against 1.22 with 8.
     warps = 4
@@ -568,6 +578,10 @@ def gated_delta_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: tor
         raise ValueError(f"gated_delta_varlen: BLOCK_V={block_v} with {v.dtype} operands and K={K} is refused: on an "
                          f"H200 with Triton 3.6 such launches faulted (an invalid shared-memory read) or gave wrong "
                          f"outputs (relative error 0.5-0.9); BLOCK_V=64 runs")
+    if cfg["split"] and cfg["walk_stages"] < 2 and v.device.type == "cuda":
+        raise ValueError(f"gated_delta_varlen: walk_stages={cfg['walk_stages']} is refused: on an H200 with Triton "
+                         f"3.6 the split form's walk without pipelined loads gave wrong outputs (bf16 operands, "
+                         f"K = V = 128: relative error 0.2-0.3); walk_stages=2 or more runs")
     common = dict(BLOCK_L=GDN_MAX_CHUNK, BLOCK_K=max(16, triton.next_power_of_2(K)), DOT_F32=_interpreter_bf16(v),
                   PRECISION="ieee" if v.dtype == torch.float32 else "tf32")
     solve = dict(SUB=_SUB, LOG2_SUB=_SUB.bit_length() - 1,
@@ -584,20 +598,22 @@ def gated_delta_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: tor
         return out
     L = GDN_MAX_CHUNK
     w = torch.empty((T, Hv, K), dtype=v.dtype, device=v.device)
+    kw = torch.empty_like(w)
+    egl = torch.empty((NC, Hv), dtype=torch.float32, device=v.device)
     u = torch.empty((T, Hv, V), dtype=torch.float32, device=v.device)
     p = torch.empty((NC, Hv, L, L), dtype=v.dtype, device=v.device)
     _gdn_chunk_prep_kernel[(NC, Hv)](
-        q, k, v, a, b, A_log, dt_bias, w, u, p, chunk_start, K, V, Hv // Hk, K ** -0.5,
-        *strides, v.stride(0), v.stride(1), a.stride(0), b.stride(0), w.stride(0), w.stride(1), u.stride(0),
-        u.stride(1), p.stride(0), p.stride(1), BLOCK_V=max(16, triton.next_power_of_2(V)), **common, **solve,
-        num_warps=cfg.get("prep_warps", 4), num_stages=1)
+        q, k, v, a, b, A_log, dt_bias, w, kw, egl, u, p, chunk_start, K, V, Hv // Hk, K ** -0.5,
+        *strides, v.stride(0), v.stride(1), a.stride(0), b.stride(0), w.stride(0), w.stride(1), egl.stride(0),
+        u.stride(0), u.stride(1), p.stride(0), p.stride(1), BLOCK_V=max(16, triton.next_power_of_2(V)), **common,
+        **solve, num_warps=cfg.get("prep_warps", 4), num_stages=1)
     x = torch.empty((T, Hv, V), dtype=v.dtype, device=v.device)
     snap = torch.empty((NC, Hv, K, V), dtype=v.dtype, device=v.device)
     _gdn_chunk_walk_kernel[grid](
-        k, a, b, A_log, dt_bias, w, u, x, snap, state, query_start_loc, init_page, chunk_start, chunk_page,
-        NC, K, V, Hv // Hk, k.stride(0), k.stride(1), a.stride(0), b.stride(0), w.stride(0), w.stride(1),
-        u.stride(0), u.stride(1), x.stride(0), x.stride(1), snap.stride(0), snap.stride(1),
-        state.stride(0), state.stride(1), state.stride(2), BLOCK_V=block_v, **common, **launch)
+        kw, egl, w, u, x, snap, state, query_start_loc, init_page, chunk_start, chunk_page,
+        NC, K, V, w.stride(0), w.stride(1), u.stride(0), u.stride(1), x.stride(0), x.stride(1),
+        snap.stride(0), snap.stride(1), egl.stride(0), state.stride(0), state.stride(1), state.stride(2),
+        BLOCK_V=block_v, STAGES=cfg["walk_stages"], **common, **launch)
     out_v = min(128, max(16, triton.next_power_of_2(V)))
     _gdn_chunk_out_kernel[(NC, Hv, triton.cdiv(V, out_v))](
         q, a, b, A_log, dt_bias, p, x, snap, out, chunk_start, K, V, Hv // Hk, K ** -0.5,

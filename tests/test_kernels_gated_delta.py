@@ -290,13 +290,17 @@ def test_varlen_at_the_published_head_size_on_a_gpu(dtype):
     buf, state = state_pool(batch.num_pages, batch.read, Hv, K, V, 5)
     before = state.clone()
     ref, pages = expected(batch, inputs, before)
-    # the split form's walk at every column width (the faults were the fused kernel's)
-    for config in ({"split": False}, {"split": True}, *({"split": True, "BLOCK_V": bv} for bv in (16, 64))):
+    # the split form's walk at every column width (the faults were the fused kernel's) and with
+    # its loads pipelined 2 deep
+    for config in ({"split": False}, {"split": True}, *({"split": True, "BLOCK_V": bv} for bv in (16, 64)),
+                   {"split": True, "walk_stages": 2}):
         state.copy_(before)
         out = torch.full((batch.T, Hv, V), float("nan"), device=DEVICE, dtype=dtype)
         gated_delta_varlen(*inputs, state, *batch.args(), out=out, config=config)
         assert rel_err(out, ref) < VARLEN_TOL[dtype], config
         check_pages(state, before, pages, VARLEN_TOL[dtype], buf)
+    with pytest.raises(ValueError, match="walk_stages=1"):
+        gated_delta_varlen(*inputs, state, *batch.args(), out=out, config={"split": True, "walk_stages": 1})
     if dtype != torch.float32:
         with pytest.raises(ValueError, match="BLOCK_V=32"):
             gated_delta_varlen(*inputs, state, *batch.args(), out=out,
