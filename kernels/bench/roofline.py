@@ -30,8 +30,12 @@ def copy_bandwidth(device: str) -> float:
     return bw
 
 
-def matmul_rate(device: str) -> float:
-    """FLOP/s of a large bf16 matrix product on random data (fp32 on CPU)."""
+def matmul_rate(device: str, seconds: float | None = None) -> float:
+    """FLOP/s of a large bf16 matrix product on random data (fp32 on CPU): over ten products,
+    or with `seconds`, over that long of products back to back after as long again of them. A
+    power-limited GPU lowers its clocks within a fraction of a second of products (one H200:
+    1,980 MHz idle, ~1,450 MHz at its 700 W limit; 788 TFLOP/s over ten products of 8,192^3,
+    674-690 over 150), so a step of products that lasts longer runs at the held rate."""
     import torch
     cuda = device.startswith("cuda")
     n, dtype = (8192, torch.bfloat16) if cuda else (512, torch.float32)
@@ -40,12 +44,30 @@ def matmul_rate(device: str) -> float:
     for _ in range(3):
         a @ b
     synchronize(device)
+    if seconds is not None:
+        _products_for(a, b, seconds, device)
+        reps, elapsed = _products_for(a, b, seconds, device)
+        return 2 * n ** 3 * reps / elapsed
     reps = 10 if cuda else 3
     t = time.perf_counter()
     for _ in range(reps):
         a @ b
     synchronize(device)
     return 2 * n ** 3 * reps / (time.perf_counter() - t)
+
+
+def _products_for(a, b, seconds: float, device: str) -> tuple[int, float]:
+    """(products, seconds they took): products queued in groups of ten until `seconds` passed."""
+    reps = 0
+    t = time.perf_counter()
+    while True:
+        for _ in range(10):
+            a @ b
+        reps += 10
+        synchronize(device)
+        elapsed = time.perf_counter() - t
+        if elapsed >= seconds:
+            return reps, elapsed
 
 
 def synchronize(device: str) -> None:

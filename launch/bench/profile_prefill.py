@@ -1,6 +1,8 @@
 """On a GPU: where a prefill step goes (torch.profiler): the step's wall time, the device-busy
 time by kind of kernel (matrix products, attention, the rest), and the matrix products' rate
-against the product rate measured in the same run.
+against the product rate measured in the same run, over ten products and held over half a
+second (`kernels.bench.roofline.matmul_rate`: a GPU at its power limit lowers its clocks within a
+fraction of a second of products).
 
     python -m launch.bench.profile_prefill MODEL_DIR [--tokens 2048 8192] [--input-len 512] [--load-format dummy]
         [--top 12]
@@ -50,7 +52,9 @@ def main() -> int:
     p.add_argument("--top", type=int, default=12, help="kernels listed per case")
     args = p.parse_args()
     rate = matmul_rate("cuda")
-    print(f"product rate {rate / 1e12:.0f} TFLOP/s (bf16, same run)")
+    held = matmul_rate("cuda", seconds=0.5)
+    print(f"product rate {rate / 1e12:.0f} TFLOP/s over ten products, {held / 1e12:.0f} held over 0.5 s "
+          f"(bf16, same run)")
     for tokens in args.tokens:
         steps, timed = 6, 2
         n = tokens * (steps + timed + 2) // args.input_len
@@ -85,7 +89,8 @@ def main() -> int:
             flops = 2 * params * tokens
             print(f"\n{tokens} prefill tokens per step: step {plain * 1e3:.1f} ms (no profiler), device busy "
                   f"{busy:.1f} ms; products floor {flops / rate * 1e3:.1f} ms at the measured rate "
-                  f"({plain / (flops / rate):.2f}x)")
+                  f"({plain / (flops / rate):.2f}x); {flops / held * 1e3:.1f} ms at the held rate, which the "
+                  f"step's products may beat (the kernels between them let the clocks recover)")
             for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
                 extra = f"  ({flops / (ms / 1e3) / 1e12:.0f} TFLOP/s)" if kind == "matrix products" else ""
                 print(f"  {kind:18} {ms:7.2f} ms{extra}")
