@@ -186,3 +186,21 @@ def test_marginal_costs_split_the_span_between_kernels():
     assert costs["a", (8, 1, 1)].busy_us == 2.0
     assert sum(c.marginal_us for c in costs.values()) * 2 == 34.0
     assert marginal_costs(ev, 2)[0].name == "a"
+
+
+def test_kernel_averages_count_each_kernel_once():
+    """`profile_decode` / `profile_prefill`: a host operator reports its kernels' time as its own
+    device time too (aten::mm beside the GEMM it launched); only device events are summed."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from launch.bench.profile_decode import device_us, kernel_averages
+    events = [SimpleNamespace(key="aten::mm", device_type=DeviceType.CPU, self_device_time_total=5.0),
+              SimpleNamespace(key="nvjet_gemm", device_type=DeviceType.CUDA, self_device_time_total=5.0),
+              SimpleNamespace(key="cudaGraphLaunch", device_type=DeviceType.CPU, self_device_time_total=2.0),
+              SimpleNamespace(key="_rms_norm_kernel", device_type=DeviceType.CUDA, self_device_time_total=2.0),
+              SimpleNamespace(key="Memset", device_type=DeviceType.CUDA, self_device_time_total=0.0)]
+    kept = kernel_averages(SimpleNamespace(key_averages=lambda: events))
+    assert [e.key for e in kept] == ["nvjet_gemm", "_rms_norm_kernel"]
+    assert sum(device_us(e) for e in kept) == 7.0

@@ -23,7 +23,7 @@ from distengine.hf_config import load_hf_config, resolve_model_path
 from distengine.scheduler import EngineRequest
 from kernels.bench.roofline import matmul_rate
 from launch.bench.common import random_prompts, roofline_of
-from launch.bench.profile_decode import device_us
+from launch.bench.profile_decode import device_us, kernel_averages
 
 KINDS = (("matrix products", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "_skinny", "_gemv")),
          ("attention", ("paged_attention", "_attn", "attention", "flash")),
@@ -81,7 +81,7 @@ def main() -> int:
                 for _ in range(steps):
                     core.step()
                 torch.cuda.synchronize()
-            events = [e for e in prof.key_averages() if device_us(e) > 0]
+            events = kernel_averages(prof)
             busy = sum(device_us(e) for e in events) / steps / 1e3
             by_kind: dict[str, float] = {}
             for e in events:
