@@ -335,7 +335,8 @@ def _gdn_chunk_walk_kernel(
     columns), walking the sequence's chunks in order with two products a chunk: v_new = U - W S
     and S' = exp(G_L) S + (k exp(G_L - G))^T v_new. It leaves the outputs to phase 3: it stores
     each chunk's v_new and the state entering it (as the dot operand it is, in the activation
-    dtype); checkpoints as the fused kernel writes them."""
+    dtype); checkpoints as the fused kernel writes them. The decayed k is laid out as W (their
+    strides sw_t, sw_h)."""
     s = tl.program_id(0)
     h = tl.program_id(1)
     seq_start = tl.load(qsl_ptr + s)
