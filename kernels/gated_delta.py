@@ -306,7 +306,8 @@ def _gdn_chunk_prep_kernel(
                                                  sq_t, sq_h, sk_t, sk_h, sa_t, sb_t, K, BLOCK_L, BLOCK_K, DT, DOT_F32)
     # stored at once, so that kw's registers are free for the solves (498 us against 509 stored last)
     tile = lm[:, None] & (kk < K)[None, :]
-    tl.store(kw_ptr + t0l * sw_t + h * sw_h + l[:, None] * sw_t + kk[None, :], kw.to(DT), mask=tile)
+    rows = t0l * sw_t + h * sw_h + l[:, None] * sw_t + kk[None, :]  # W's and the decayed k's
+    tl.store(kw_ptr + rows, kw.to(DT), mask=tile)
     tl.store(egl_ptr + c.to(tl.int64) * se_c + h, eGL)
     P = tl.dot(qd, tl.trans(kd), input_precision=PRECISION) * decay
     tl.store(p_ptr + c.to(tl.int64) * sp_c + h * sp_h + l[:, None] * BLOCK_L + l[None, :], P.to(DT))
@@ -315,7 +316,7 @@ def _gdn_chunk_prep_kernel(
     Dinv, Nm = _solve_blocks(A, BLOCK_L, SUB, LOG2_SUB, SOLVE_PRECISION)
     kf = kd.to(tl.float32)
     W = _solve(Dinv, Nm, (beta * eG)[:, None] * kf, n, BLOCK_L, SUB, BLOCK_K, SOLVE_PRECISION)
-    tl.store(w_ptr + t0l * sw_t + h * sw_h + l[:, None] * sw_t + kk[None, :], W.to(DT), mask=tile)
+    tl.store(w_ptr + rows, W.to(DT), mask=tile)
     vmask = lm[:, None] & (vv < V)[None, :]
     v = tl.load(v_ptr + t0l * sv_t + h * sv_h + l[:, None] * sv_t + vv[None, :], mask=vmask, other=0.0).to(tl.float32)
     U = _solve(Dinv, Nm, beta[:, None] * v, n, BLOCK_L, SUB, BLOCK_V, SOLVE_PRECISION)
@@ -364,9 +365,10 @@ def _gdn_chunk_walk_kernel(
         tile = lm[:, None] & km[None, :]
         cl = c + tl.zeros([], tl.int64)
         wpage = tl.load(cpage_ptr + c).to(tl.int64)
-        kw = tl.load(kw_ptr + t0l * sw_t + h * sw_h + l[:, None] * sw_t + kk[None, :], mask=tile, other=0.0)
+        rows = t0l * sw_t + h * sw_h + l[:, None] * sw_t + kk[None, :]
+        kw = tl.load(kw_ptr + rows, mask=tile, other=0.0)
         eGL = tl.load(egl_ptr + cl * se_c + h)
-        W = tl.load(w_ptr + t0l * sw_t + h * sw_h + l[:, None] * sw_t + kk[None, :], mask=tile, other=0.0)
+        W = tl.load(w_ptr + rows, mask=tile, other=0.0)
         U = tl.load(u_ptr + t0l * su_t + h * su_h + l[:, None] * su_t + vv[None, :], mask=lm[:, None] & vm[None, :],
                     other=0.0)
         if DOT_F32:
