@@ -45,28 +45,33 @@ inverses with products): the same blocking, here kept in registers.
 
 Prefill, split form (a few long sequences: the fused walk of one sequence is a chain of ~128
 chunk steps, each with a solve), FLA's layout in three launches:
-1. `_gdn_chunk_prep_kernel`, a program per (chunk, value head), all in parallel, solves for
-   W = T (beta exp(G) k) [L, K] and U = T (beta v) [L, V], forms the decayed q k^T P, and
-   stores what the walk multiplies by: k decayed to the chunk's end and exp(G_L);
+1. `_gdn_chunk_prep_kernel`, a program per (chunk, value head), all in parallel, forms T (the
+   blocked solve above against the identity, rounded to a dot operand, as FLA's `solve_tril`),
+   then W = T (beta exp(G) k) [L, K] and U = T (beta v) [L, V] as two products (heads of 64
+   or more; narrower ones solve for W and U, see `default_config`), the decayed q k^T P, and
+   what the walk multiplies by: k decayed to the chunk's end and exp(G_L);
 2. `_gdn_chunk_walk_kernel` walks each sequence with two products a chunk, v_new = U - W S and
    the state update, and stores v_new and the state entering each chunk;
 3. `_gdn_chunk_out_kernel`, a program per (chunk, value head), all in parallel, forms the
-   outputs exp(G) q S + P v_new.
+   outputs exp(G) q S + P v_new, and passes them through the layer's gated norm when given
+   (its program holds a head's row).
 Only the walk is a chain, so it is kept to what the recurrence needs: two products, the
 conversions between them, and loads that Triton's pipeliner issues a chunk or two ahead (every
 operand comes from memory; with the outputs in it, the walk of Qwen3.6-27B's heads over 8,192
 tokens took ~690 us; recomputing the decayed k from k, a and b in it 469; reading it 328, see
-`default_config`). W, P, v_new, the decayed k and the states go through memory in the
-activation dtype (each is a dot operand, rounded as the fused form rounds it: the outputs are
-the fused form's), U in fp32.
+`default_config`). W, U, P, v_new, the decayed k and the states go through memory in the
+activation dtype. The fused form rounds its operands the same way but for T, U and W, which
+it never forms: it solves for v_new itself; the two forms agree to the rounding of those.
 
 Numerics (as FLA's kernels, which transformers runs on GPUs when they are installed): q and k normalised in fp32, then, for 16-bit
 inputs, the dot operands in the activation dtype (q, k, the state entering k S and q S, the
 decayed q k^T, v_new, the decayed k), fp32 accumulation, fp32 state between chunks; the solve
 (the block inverses, N, c and the iteration) in TF32 for 16-bit inputs (FLA's default is IEEE
 fp32 for its merge; TF32 keeps it on tensor cores at ~5e-4 relative, below the bf16 rounding of
-the operands around it); fp32 inputs multiply in `ieee` fp32 everywhere (tests against
-transformers' fp32 math). The decays exp(G_i - G_j) and exp(G_L - G_j) are exponentials of sums
+the operands around it); the split form's T, W and U in the activation dtype, as FLA's (at
+Qwen3.6-27B's heads over 8,192 tokens in bf16: 4.4e-3 relative error against the fp32
+reference, against 4.1e-3 solving for W and U in TF32 and keeping U in fp32); fp32 inputs
+multiply in `ieee` fp32 everywhere (tests against transformers' fp32 math). The decays exp(G_i - G_j) and exp(G_L - G_j) are exponentials of sums
 over their own segments (a cumulative sum down the columns of the masked [64, 64] g, and a
 reversed cumulative sum of the next tokens' g), not differences of prefix sums as transformers
 and FLA compute them: with a strong decay (A = 16, g ~ -15 a token) G reaches -1000 within a
@@ -89,6 +94,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.gated_rmsnorm import GatedRMSNorm, gated_norm_values, gated_rms_norm
 from kernels.mamba_conv import _gather_pages
 from kernels.mamba_ssd import _dot_operand, _first_ge, _num_sms, chunk_rounds
 from kernels.pdl import pdl_args, pdl_wait
@@ -283,12 +289,14 @@ def _gdn_chunk_prep_kernel(
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sa_t, sb_t, sw_t, sw_h, se_c, su_t, su_h, sp_c, sp_h,
     BLOCK_L: tl.constexpr, SUB: tl.constexpr, LOG2_SUB: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr, DOT_F32: tl.constexpr, PRECISION: tl.constexpr, SOLVE_PRECISION: tl.constexpr,
+    FORM_T: tl.constexpr,
 ):
     """Phase 1 of the split prefill, one program per (chunk, value head), all in parallel: what
     a chunk needs that does not depend on the state entering it. With T = (I + A)^-1:
-    W = T (beta exp(G) k) [L, K] (DT), U = T (beta v) [L, V] (fp32), the decayed causal
-    q k^T P [L, L] (DT), k exp(G_L - G) [L, K] (DT) and exp(G_L), so that phase 2 computes
-    v_new = U - W S and the next state from loads alone."""
+    W = T (beta exp(G) k) [L, K], U = T (beta v) [L, V], the decayed causal q k^T P [L, L],
+    k exp(G_L - G) [L, K] (all DT) and exp(G_L), so that phase 2 computes v_new = U - W S and
+    the next state from loads alone. FORM_T: T formed and rounded to DT, W and U its products;
+    else W and U solved for."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // v_per_k
@@ -314,13 +322,21 @@ def _gdn_chunk_prep_kernel(
     strict = l[:, None] > l[None, :]
     A = tl.where(strict, tl.dot(kd, tl.trans(kd), input_precision=PRECISION) * decay, 0.0) * beta[:, None]
     Dinv, Nm = _solve_blocks(A, BLOCK_L, SUB, LOG2_SUB, SOLVE_PRECISION)
-    kf = kd.to(tl.float32)
-    W = _solve(Dinv, Nm, (beta * eG)[:, None] * kf, n, BLOCK_L, SUB, BLOCK_K, SOLVE_PRECISION)
-    tl.store(w_ptr + rows, W.to(DT), mask=tile)
+    kb = (beta * eG)[:, None] * kd.to(tl.float32)
     vmask = lm[:, None] & (vv < V)[None, :]
     v = tl.load(v_ptr + t0l * sv_t + h * sv_h + l[:, None] * sv_t + vv[None, :], mask=vmask, other=0.0).to(tl.float32)
-    U = _solve(Dinv, Nm, beta[:, None] * v, n, BLOCK_L, SUB, BLOCK_V, SOLVE_PRECISION)
-    tl.store(u_ptr + t0l * su_t + h * su_h + l[:, None] * su_t + vv[None, :], U, mask=vmask)
+    if FORM_T:
+        # T itself (the solve against the identity), rounded to a dot operand: two products instead
+        # of solving for W and U, whose right-hand sides are twice T's width
+        eye = tl.where(l[:, None] == l[None, :], 1.0, 0.0)
+        T = _dot_operand(_solve(Dinv, Nm, eye, n, BLOCK_L, SUB, BLOCK_L, SOLVE_PRECISION), DT, DOT_F32)
+        W = tl.dot(T, _dot_operand(kb, DT, DOT_F32), input_precision=PRECISION)
+        U = tl.dot(T, _dot_operand(beta[:, None] * v, DT, DOT_F32), input_precision=PRECISION)
+    else:
+        W = _solve(Dinv, Nm, kb, n, BLOCK_L, SUB, BLOCK_K, SOLVE_PRECISION)
+        U = _solve(Dinv, Nm, beta[:, None] * v, n, BLOCK_L, SUB, BLOCK_V, SOLVE_PRECISION)
+    tl.store(w_ptr + rows, W.to(DT), mask=tile)
+    tl.store(u_ptr + t0l * su_t + h * su_h + l[:, None] * su_t + vv[None, :], U.to(DT), mask=vmask)
 
 
 @triton.jit(do_not_specialize=["num_chunks"])
@@ -370,7 +386,7 @@ def _gdn_chunk_walk_kernel(
         eGL = tl.load(egl_ptr + cl * se_c + h)
         W = tl.load(w_ptr + rows, mask=tile, other=0.0)
         U = tl.load(u_ptr + t0l * su_t + h * su_h + l[:, None] * su_t + vv[None, :], mask=lm[:, None] & vm[None, :],
-                    other=0.0)
+                    other=0.0).to(tl.float32)
         if DOT_F32:
             kw, W = kw.to(tl.float32), W.to(tl.float32)
         Sd = _dot_operand(state, DT, DOT_F32)
@@ -386,13 +402,16 @@ def _gdn_chunk_walk_kernel(
 
 @triton.jit
 def _gdn_chunk_out_kernel(q_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, p_ptr, x_ptr, snap_ptr, out_ptr, cstart_ptr,
-                          K, V, v_per_k, scale,
-                          sq_t, sq_h, sa_t, sb_t, sp_c, sp_h, sx_t, sx_h, sn_c, sn_h, sn_k, so_t, so_h,
+                          z_ptr, nw_ptr, eps, K, V, v_per_k, scale,
+                          sq_t, sq_h, sa_t, sb_t, sp_c, sp_h, sx_t, sx_h, sn_c, sn_h, sn_k, so_t, so_h, sz_t,
                           BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-                          DOT_F32: tl.constexpr, PRECISION: tl.constexpr):
+                          DOT_F32: tl.constexpr, PRECISION: tl.constexpr, NORM: tl.constexpr,
+                          NORM_BEFORE_GATE: tl.constexpr, ROUND_BEFORE_WEIGHT: tl.constexpr):
     """Phase 3 of the split prefill, one program per (chunk, value head, BLOCK_V columns), all in
     parallel: o = exp(G) q S + P v_new from the state entering the chunk and v_new that phase 2
-    stored (the same rounded operands as the fused kernel's products)."""
+    stored (the same rounded operands as the fused kernel's products). NORM (a program holds its
+    head's V columns): the gated RMSNorm of each head's output row, gated by z `[T, Hv V]` with
+    the weight `[Hv V]`, applied to o rounded to the output dtype, as its own launch would."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // v_per_k
@@ -417,12 +436,18 @@ def _gdn_chunk_out_kernel(q_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, p_ptr, x_ptr, 
     xd = tl.load(x_ptr + t0l * sx_t + h * sx_h + l[:, None] * sx_t + vv[None, :], mask=lm[:, None] & vm[None, :],
                  other=0.0)
     P = tl.load(p_ptr + cl * sp_c + h * sp_h + l[:, None] * BLOCK_L + l[None, :])
+    if NORM:
+        ch = h * V + vv
+        z = tl.load(z_ptr + t0l * sz_t + l[:, None] * sz_t + ch[None, :], mask=lm[:, None] & vm[None, :], other=0.0)
+        w = tl.load(nw_ptr + ch, mask=vm, other=0.0).to(tl.float32)
     if DOT_F32:
         Sd, xd, P = Sd.to(tl.float32), xd.to(tl.float32), P.to(tl.float32)
     o = tl.dot(qd, Sd, input_precision=PRECISION) * eG[:, None]
-    o = tl.dot(P, xd, o, input_precision=PRECISION)
-    tl.store(out_ptr + t0l * so_t + h * so_h + l[:, None] * so_t + vv[None, :], o.to(DT),
-             mask=lm[:, None] & vm[None, :])
+    o = tl.dot(P, xd, o, input_precision=PRECISION).to(DT)
+    if NORM:
+        o = gated_norm_values(o.to(tl.float32), z.to(tl.float32), w[None, :], V, eps, NORM_BEFORE_GATE,
+                              ROUND_BEFORE_WEIGHT, DT)
+    tl.store(out_ptr + t0l * so_t + h * so_h + l[:, None] * so_t + vv[None, :], o, mask=lm[:, None] & vm[None, :])
 
 
 @triton.jit
@@ -494,7 +519,19 @@ def _check_kernel_operands(q, k, v, a, b, state) -> None:
     assert state.dtype == torch.float32 and state.stride(3) == 1, (state.dtype, state.stride())
 
 
-def default_config(K: int, V: int, num_seqs_x_heads: int, device: torch.device, split: bool | None = None) -> dict:
+def _check_norm(norm: GatedRMSNorm | None, T: int, Hv: int, V: int, dtype: torch.dtype) -> None:
+    if norm is None:
+        return
+    if norm.group_size != V or tuple(norm.z.shape) != (T, Hv * V) or tuple(norm.weight.shape) != (Hv * V,):
+        raise ValueError(f"gated_delta_varlen: the norm must take groups of V={V} over z [T, Hv*V] = {(T, Hv * V)} "
+                         f"with a weight [{Hv * V}], not groups of {norm.group_size}, z {tuple(norm.z.shape)}, "
+                         f"weight {tuple(norm.weight.shape)}")
+    if norm.z.stride(-1) != 1 or norm.z.dtype != dtype:
+        raise ValueError(f"gated_delta_varlen: the norm's z must be {dtype} with a unit column stride")
+
+
+def default_config(K: int, V: int, num_seqs_x_heads: int, device: torch.device, split: bool | None = None,
+                   itemsize: int = 2) -> dict:
     """BLOCK_V, launch options and the form of the prefill. A program holds its state [K, BLOCK_V]
     (fp32), q and k [64, K], v and v_new [64, BLOCK_V] and three [64, 64] matrices (A, N, the
     decayed q k^T): at K = 128, BLOCK_V = 64 is ~32K fp32 values, 8 warps. BLOCK_V stays at 64
@@ -506,13 +543,16 @@ def default_config(K: int, V: int, num_seqs_x_heads: int, device: torch.device, 
 
     `split`: when the fused kernel's programs (a sequence's chunks walked in order by each) would
     not fill the GPU four times over (a long prompt alone, a few prompts), the split form runs
-    (the module docstring), at the price of writing and reading W, U, P, v_new and a state a
-    chunk (about 2.4 KB per token and value head at K = V = 128), and the decayed k (256 bytes
-    more). Its walk's programs take 32 state columns on 4 warps (the bf16 faults above are the
-    fused kernel's, whose programs also solve), their loads pipelined 3 deep ("walk_stages": the
-    loop's `num_stages`; 1, no pipelining, gave wrong outputs on an H200 with Triton 3.6 and is
-    refused), and its solves 4 warps. `split` given: that form's launch. Pass `config=` to
-    override any of it ("prep_warps": the solves' launch)."""
+    (the module docstring), at the price of writing and reading W, U, P, v_new, the decayed k
+    and a state a chunk (about 1.7 KB per token and value head at K = V = 128, all in the
+    activation dtype). Its walk's programs take 32 state columns on 4 warps (the bf16 faults
+    above are the fused kernel's, whose programs also solve), their loads pipelined 3 deep
+    ("walk_stages": the loop's `num_stages`; 1, no pipelining, gave wrong outputs on an H200 with
+    Triton 3.6 and is refused), and its solves 4 warps. These form T for 16-bit operands of K and V of at least 64
+    ("prep_form_t"; every published checkpoint has 128): at K = 24 and V = 16 in bf16 that launch
+    faulted on an H200 with Triton 3.6 (an illegal memory access), so narrower heads solve for W
+    and U. `split` given: that form's launch. Pass `config=` to override any of it ("prep_warps":
+    the solves' launch)."""
     bv = min(64, max(16, triton.next_power_of_2(V)))
     bk = max(16, triton.next_power_of_2(K))
     sms = _num_sms(device) if device.type == "cuda" else 132
@@ -525,9 +565,12 @@ def default_config(K: int, V: int, num_seqs_x_heads: int, device: torch.device, 
         # 32 on 2 (the walk with the outputs in it: ~690 with 64 on 8). With the decayed k read
         # rather than recomputed: the walk 328 (the solves 498 against 452 for the extra store;
         # the three launches 985 against 1,075), 3 stages; 2 stages 332, 4 328; 64 columns on 8
-        # warps ~600 (the decayed k recomputed and its loads pipelined: 532-548).
+        # warps ~600 (the decayed k recomputed and its loads pipelined: 532-548). The solves with
+        # T formed and W, U as its products: 381 against 503 (8 warps 572); the walk with the
+        # state in two K halves (FLA's) 323-326, transposed (both products' left operand in
+        # registers) 363-375 with 64 columns.
         return {"BLOCK_V": min(32, bv), "num_warps": 4, "num_stages": 2, "split": True, "prep_warps": 4,
-                "walk_stages": 3}
+                "walk_stages": 3, "prep_form_t": itemsize == 2 and min(bk, V) >= 64}
     # H200, K = V = 128, 32 heads: the fused kernel over 8 x 1,024 tokens 0.98 ms with 4 warps
     # against 1.22 with 8.
     warps = 4
@@ -558,15 +601,18 @@ def gated_delta_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: tor
                        A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, query_start_loc: torch.Tensor,
                        init_page: torch.Tensor, chunk_start: torch.Tensor, chunk_seq: torch.Tensor,
                        chunk_page: torch.Tensor, out: torch.Tensor | None = None,
-                       config: dict | None = None) -> torch.Tensor:
+                       config: dict | None = None, norm: GatedRMSNorm | None = None) -> torch.Tensor:
     """Prefill over a ragged batch. q, k `[T, Hk, K]`, v `[T, Hv, V]`, a, b `[T, Hv]` (raw
     projections), A_log, dt_bias `[Hv]` fp32; `state[num_pages, Hv, K, V]` fp32 is read at
     init_page[s] (<= 0: zeros) and written after every chunk with chunk_page > 0. Chunks:
     `chunk_start[NC+1]`, `chunk_seq[NC]`, 1..GDN_MAX_CHUNK tokens each, never crossing a
     sequence. Inputs may be strided views with a unit last stride. Returns out `[T, Hv, V]` in
-    v's dtype."""
+    v's dtype: the outputs, or with `norm` (groups of V, a value head each: the layer's gated
+    norm, z `[T, Hv V]`) the outputs through it, which the split form applies in its output
+    launch."""
     T, Hk, Hv, K, V = _check(q, k, v, a, b, A_log, dt_bias, state)
     _check_kernel_operands(q, k, v, a, b, state)
+    _check_norm(norm, T, Hv, V, v.dtype)
     S = init_page.shape[0]
     NC = chunk_seq.shape[0]
     assert query_start_loc.shape == (S + 1,) and chunk_start.shape == (NC + 1,) and chunk_page.shape == (NC,)
@@ -575,7 +621,7 @@ def gated_delta_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: tor
     assert out.shape == (T, Hv, V) and out.stride(-1) == 1
     if S == 0 or NC == 0:
         return out
-    cfg = {**default_config(K, V, S * Hv, v.device, (config or {}).get("split")), **(config or {})}
+    cfg = {**default_config(K, V, S * Hv, v.device, (config or {}).get("split"), v.element_size()), **(config or {})}
     block_v = cfg["BLOCK_V"]
     if not cfg["split"] and v.dtype != torch.float32 and K > 32 and block_v < min(64, V) and v.device.type == "cuda":
         raise ValueError(f"gated_delta_varlen: BLOCK_V={block_v} with {v.dtype} operands and K={K} is refused: on an "
@@ -592,6 +638,14 @@ def gated_delta_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: tor
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1))
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     grid = (S, Hv, triton.cdiv(V, block_v))
+    out_v = min(128, max(16, triton.next_power_of_2(V)))
+    if norm is not None and (not cfg["split"] or out_v < V):  # no launch holds a head's row: the norm's own
+        gated_delta_varlen(q, k, v, a, b, A_log, dt_bias, state, query_start_loc, init_page, chunk_start, chunk_seq,
+                           chunk_page, out=out, config=config)
+        flat = out.view(T, Hv * V)
+        gated_rms_norm(flat, norm.z, norm.weight, norm.group_size, norm.eps, norm.norm_before_gate,
+                       norm.round_before_weight, out=flat)
+        return out
     if not cfg["split"]:
         _gdn_varlen_kernel[grid](
             q, k, v, a, b, A_log, dt_bias, out, state, query_start_loc, init_page, chunk_start, chunk_page,
@@ -603,13 +657,13 @@ def gated_delta_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: tor
     w = torch.empty((T, Hv, K), dtype=v.dtype, device=v.device)
     kw = torch.empty_like(w)
     egl = torch.empty((NC, Hv), dtype=torch.float32, device=v.device)
-    u = torch.empty((T, Hv, V), dtype=torch.float32, device=v.device)
+    u = torch.empty((T, Hv, V), dtype=v.dtype, device=v.device)
     p = torch.empty((NC, Hv, L, L), dtype=v.dtype, device=v.device)
     _gdn_chunk_prep_kernel[(NC, Hv)](
         q, k, v, a, b, A_log, dt_bias, w, kw, egl, u, p, chunk_start, K, V, Hv // Hk, K ** -0.5,
         *strides, v.stride(0), v.stride(1), a.stride(0), b.stride(0), w.stride(0), w.stride(1), egl.stride(0),
         u.stride(0), u.stride(1), p.stride(0), p.stride(1), BLOCK_V=max(16, triton.next_power_of_2(V)), **common,
-        **solve, num_warps=cfg.get("prep_warps", 4), num_stages=1)
+        **solve, FORM_T=cfg["prep_form_t"], num_warps=cfg.get("prep_warps", 4), num_stages=1)
     x = torch.empty((T, Hv, V), dtype=v.dtype, device=v.device)
     snap = torch.empty((NC, Hv, K, V), dtype=v.dtype, device=v.device)
     _gdn_chunk_walk_kernel[grid](
@@ -617,12 +671,14 @@ def gated_delta_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: tor
         NC, K, V, w.stride(0), w.stride(1), u.stride(0), u.stride(1), x.stride(0), x.stride(1),
         snap.stride(0), snap.stride(1), egl.stride(0), state.stride(0), state.stride(1), state.stride(2),
         BLOCK_V=block_v, STAGES=cfg["walk_stages"], **common, **launch)
-    out_v = min(128, max(16, triton.next_power_of_2(V)))
+    z, nw = (norm.z, norm.weight) if norm is not None else (out, out)
     _gdn_chunk_out_kernel[(NC, Hv, triton.cdiv(V, out_v))](
-        q, a, b, A_log, dt_bias, p, x, snap, out, chunk_start, K, V, Hv // Hk, K ** -0.5,
+        q, a, b, A_log, dt_bias, p, x, snap, out, chunk_start, z, nw, norm.eps if norm is not None else 0.0,
+        K, V, Hv // Hk, K ** -0.5,
         q.stride(0), q.stride(1), a.stride(0), b.stride(0), p.stride(0), p.stride(1), x.stride(0), x.stride(1),
-        snap.stride(0), snap.stride(1), snap.stride(2), out.stride(0), out.stride(1),
-        BLOCK_V=out_v, **common, num_warps=4, num_stages=2)
+        snap.stride(0), snap.stride(1), snap.stride(2), out.stride(0), out.stride(1), z.stride(0),
+        BLOCK_V=out_v, **common, NORM=norm is not None, NORM_BEFORE_GATE=norm is not None and norm.norm_before_gate,
+        ROUND_BEFORE_WEIGHT=norm is not None and norm.round_before_weight, num_warps=4, num_stages=2)
     return out
 
 
@@ -709,20 +765,27 @@ def gated_delta_varlen_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
                            A_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
                            query_start_loc: torch.Tensor, init_page: torch.Tensor, chunk_start: torch.Tensor,
                            chunk_seq: torch.Tensor, chunk_page: torch.Tensor, out: torch.Tensor | None = None,
-                           config: dict | None = None) -> torch.Tensor:
+                           config: dict | None = None, norm: GatedRMSNorm | None = None) -> torch.Tensor:
     """Same contract as `gated_delta_varlen` (`config` is ignored), on the given chunks, each
     with transformers' torch_chunk_gated_delta_rule arithmetic (fp32; fp64 for fp64 inputs; any
     state dtype). The k-th chunks of all sequences are processed together (a loop over the
     longest sequence's chunk count), vectorised over the chunk's tokens, the heads and the
     sequences."""
     T, _Hk, Hv, _K, V = _check(q, k, v, a, b, A_log, dt_bias, state)
+    _check_norm(norm, T, Hv, V, v.dtype)
     S = init_page.shape[0]
     NC = chunk_seq.shape[0]
     assert query_start_loc.shape == (S + 1,) and chunk_start.shape == (NC + 1,) and chunk_page.shape == (NC,)
+    if out is None:
+        out = torch.empty((T, Hv, V), dtype=v.dtype, device=v.device)
+    if norm is not None:
+        gated_delta_varlen_ref(q, k, v, a, b, A_log, dt_bias, state, query_start_loc, init_page, chunk_start,
+                               chunk_seq, chunk_page, out=out)
+        flat = out.view(T, Hv * V)
+        flat.copy_(norm.apply(flat, ref=True))
+        return out
     acc = torch.promote_types(v.dtype, torch.float32)
     dev = v.device
-    if out is None:
-        out = torch.empty((T, Hv, V), dtype=v.dtype, device=dev)
     if S == 0 or NC == 0:
         return out
     run = _gather_pages(state, init_page, acc)  # [S, Hv, K, V]; all read before any write

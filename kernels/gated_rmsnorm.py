@@ -87,19 +87,22 @@ def _check(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: i
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float,
-                   norm_before_gate: bool = False, round_before_weight: bool = False) -> torch.Tensor:
-    """x, z `[T, I]` (row strides arbitrary, unit column stride), weight `[I]`; returns a new
-    contiguous `[T, I]` tensor in x's dtype. One program per row and GROUPS groups, GROUPS such
-    that a program holds about 2,048 channels: one program per narrow group (128 channels, the
-    Gated DeltaNet's value heads) left a thread per element and ran a prefill's norm at a seventh
-    of the copy bandwidth on an H200."""
+                   norm_before_gate: bool = False, round_before_weight: bool = False,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """x, z `[T, I]` (row strides arbitrary, unit column stride), weight `[I]`; returns `out`
+    `[T, I]` in x's dtype (unit column stride; x itself allowed), a new contiguous tensor if None.
+    One program per row and GROUPS groups, GROUPS such that a program holds about 2,048 channels:
+    one program per narrow group (128 channels, the Gated DeltaNet's value heads) left a thread per
+    element and ran a prefill's norm at a seventh of the copy bandwidth on an H200."""
     _check(x, z, weight, group_size)
     if x.stride(-1) != 1:
         x = x.contiguous()
     if z.stride(-1) != 1:
         z = z.contiguous()
     T, I = x.shape
-    out = torch.empty((T, I), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((T, I), dtype=x.dtype, device=x.device)
+    assert out.shape == (T, I) and out.dtype == x.dtype and out.stride(-1) == 1, (out.shape, out.dtype)
     if T == 0:
         return out
     block = triton.next_power_of_2(group_size)

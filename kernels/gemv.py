@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.activation import apply_act
+from kernels.activation import apply_act, sigmoid_gate
 from kernels.fp8 import check_fp8_weight, dequantize_fp8_ref
 from kernels.gated_rmsnorm import GatedRMSNorm, gated_norm_values
 from kernels.mamba_conv import ConvStep, conv_step
@@ -66,10 +66,9 @@ def _gemv_x(x_ptr, z_ptr, nw_ptr, s_row, k, K, BK_Q, eps, SCALE: tl.constexpr, N
             if GATED:
                 up = tl.load(x_ptr + K + kk, mask=k_ok, other=0.0)
             x = apply_act(x.to(tl.float32), up.to(tl.float32), 0.0, 0.0, ACT, GATED).to(x_ptr.dtype.element_ty)
-        if GATE:  # torch's x * torch.sigmoid(z): the sigmoid rounded to x's dtype, then the product
+        if GATE:
             z = tl.load(z_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-            s = (1.0 / (1.0 + tl.exp(-z))).to(x_ptr.dtype.element_ty)
-            x = (x.to(tl.float32) * s.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            x = sigmoid_gate(x.to(tl.float32), z, x_ptr.dtype.element_ty)
         x = x.to(tl.float32)
     if SCALE == SCALE_BLOCK:
         x *= tl.load(s_row + kk // BK_Q, mask=k_ok, other=0.0)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from kernels.gated_delta import (GDN_MAX_CHUNK, gated_delta_update, gated_delta_update_ref, gated_delta_varlen,
                                  gated_delta_varlen_ref)
+from kernels.gated_rmsnorm import GatedRMSNorm
 from workers.mamba_metadata import plan_chunks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -248,15 +249,20 @@ VARLEN_CASES = {
 # from the rounded operands, kernels/paged_attention.py::_interpreter_bf16)
 # "fused": one kernel walks each sequence's chunks; "split": the chunks' solves first, in parallel,
 # then the walk (what a long prompt alone gets)
-@pytest.mark.parametrize("impl", [(gated_delta_varlen, False), (gated_delta_varlen, True),
-                                  (gated_delta_varlen_ref, None)], ids=["triton-fused", "triton-split", "torch"])
+# "split-T": the split form's solves forming T at these narrow heads (on a GPU only K, V >= 64
+# take it: narrower ones faulted there; the published-head test below covers it natively)
+@pytest.mark.parametrize("impl", [(gated_delta_varlen, False), (gated_delta_varlen, True), (gated_delta_varlen, "T"),
+                                  (gated_delta_varlen_ref, None)],
+                         ids=["triton-fused", "triton-split", "triton-split-T", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", list(VARLEN_CASES))
 def test_varlen(impl, dtype, case):
     impl, split = impl
     Hk, Hv, K, V, qlens, computed, bs, corr, strong, config = VARLEN_CASES[case]
+    if split == "T" and DEVICE == "cuda":
+        pytest.skip("T is formed on a GPU for heads of 64 or more only")
     if split is not None:
-        config = {**(config or {}), "split": split}
+        config = {**(config or {}), "split": split is not False, **({"prep_form_t": True} if split == "T" else {})}
     seed = len(case) + {torch.float32: 0, torch.bfloat16: 7, torch.float16: 3}[dtype]
     batch = Batch(qlens, seed, block_size=bs, computed=computed)
     inputs = make_inputs(batch.T, Hk, Hv, K, V, dtype, seed, corr, strong)
@@ -291,9 +297,9 @@ def test_varlen_at_the_published_head_size_on_a_gpu(dtype):
     before = state.clone()
     ref, pages = expected(batch, inputs, before)
     # the split form's walk at every column width (the faults were the fused kernel's) and with
-    # its loads pipelined 2 deep
+    # its loads pipelined 2 deep; its solves solving for W and U rather than forming T (bf16)
     for config in ({"split": False}, {"split": True}, *({"split": True, "BLOCK_V": bv} for bv in (16, 64)),
-                   {"split": True, "walk_stages": 2}):
+                   {"split": True, "walk_stages": 2}, {"split": True, "prep_form_t": False}):
         state.copy_(before)
         out = torch.full((batch.T, Hv, V), float("nan"), device=DEVICE, dtype=dtype)
         gated_delta_varlen(*inputs, state, *batch.args(), out=out, config=config)
@@ -321,6 +327,37 @@ def test_varlen_ref_float64_exact():
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
     for p, want in pages.items():
         torch.testing.assert_close(state[p], want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("form", ["fused", "split", "torch"])
+@pytest.mark.parametrize("V", [48, 160])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_varlen_with_the_layers_gated_norm(form, V, dtype):
+    """The layer's gated norm given to the prefill: its outputs through the norm as its own
+    launch (or reference) computes it from the outputs without it, and the same state pages. The
+    split form applies it in its output launch where one program holds a head's V columns (48),
+    the norm's own launch otherwise (160), as the fused form always does."""
+    Hk, Hv, K = 1, 2, 16
+    impl = gated_delta_varlen_ref if form == "torch" else gated_delta_varlen
+    config = None if form == "torch" else {"split": form == "split"}
+    batch = Batch([70, 1, 20], seed=4, block_size=32)
+    inputs = make_inputs(batch.T, Hk, Hv, K, V, dtype, 4, 0.3)
+    g = torch.Generator().manual_seed(4)
+    z = torch.randn(batch.T, Hv * V + 3, generator=g).to(DEVICE, dtype)[:, 3:]  # a strided view, as the layer's
+    weight = (1 + 0.3 * torch.randn(Hv * V, generator=g)).to(DEVICE, dtype)
+    norm = GatedRMSNorm(z, weight, V, 1e-6, norm_before_gate=True, round_before_weight=True)
+    _, state = state_pool(batch.num_pages, batch.read, Hv, K, V, 4)
+    pages = state.clone()
+    got = impl(*inputs, pages, *batch.args(), out=torch.full((batch.T, Hv, V), float("nan"), device=DEVICE,
+                                                                 dtype=dtype), config=config, norm=norm)
+    plain = impl(*inputs, state, *batch.args(), config=config)
+    want = norm.apply(plain.view(batch.T, Hv * V), ref=form == "torch").view(batch.T, Hv, V)
+    assert torch.equal(pages.nan_to_num(), state.nan_to_num())
+    tol = {torch.float32: 1e-5, torch.bfloat16: 8e-3}[dtype]  # reductions in another order: an ulp
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="groups of V"):
+        impl(*inputs, state, *batch.args(), config=config,
+             norm=GatedRMSNorm(z, weight, V // 2, 1e-6, norm_before_gate=True, round_before_weight=True))
 
 
 @pytest.mark.parametrize("impl", [gated_delta_varlen, gated_delta_varlen_ref], ids=["triton", "torch"])

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from kernels.activation import (relu2, relu2_ref, gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul, silu_and_mul_ref,
+from kernels.activation import (relu2, relu2_ref, gelu_tanh_and_mul, gelu_tanh_and_mul_ref, sigmoid_gate_mul,
+                                sigmoid_gate_mul_ref, silu_and_mul, silu_and_mul_ref,
                                 swiglu_oai_and_mul, swiglu_oai_and_mul_ref)
 from kernels.gated_rmsnorm import GatedRMSNorm, gated_rms_norm, gated_rms_norm_ref
 from kernels.gemv import (NORM_MAX_COLUMNS, NORM_MAX_GROUP, SKINNY_MAX_ROWS, fuses_gated_norm, gemv, gemv_ref,
@@ -279,6 +280,26 @@ def test_swiglu_oai_and_mul(impl, dtype):
     x[0, 160:166] = torch.tensor([-100.0, -7.5, -6.0, 7.0, 7.5, 100.0], dtype=dtype)
     g, u = x.double()[:, :160].clamp(max=7.0), x.double()[:, 160:].clamp(-7.0, 7.0)
     check(impl(x, 1.702, 7.0), g * torch.sigmoid(1.702 * g) * (u + 1), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+def test_sigmoid_gate_mul(dtype):
+    """An attention's output gate over a strided view of the projection (as the layer passes it):
+    its float64 value within the usual bound, and on a GPU torch's own x * sigmoid(z) within an
+    ulp of the sigmoid's rounding (`tl.exp` is not torch's exp; the interpreter rounds to bf16 by
+    truncation)."""
+    x = randn(9, 1500, dtype=dtype) * 3
+    wide = randn(9, 2 * 1500 + 7, dtype=dtype) * 4
+    z = wide[:, 7:1507]
+    z[0, :6] = torch.tensor([-100.0, -30.0, 0.0, 1e-3, 30.0, 100.0], dtype=dtype)
+    got = sigmoid_gate_mul(x, z)
+    assert got.shape == x.shape and got.dtype == dtype and got.is_contiguous()
+    check(got, x.double() * torch.sigmoid(z.double()), dtype)
+    if DEVICE == "cuda":
+        torch.testing.assert_close(got, sigmoid_gate_mul_ref(x, z), rtol={torch.float32: 1e-6}.get(dtype, 8e-3),
+                                   atol=1e-6)
+    assert sigmoid_gate_mul(x[:0], z[:0]).shape == (0, 1500)
 
 
 def test_act_and_mul_strided_rows():

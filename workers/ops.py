@@ -5,8 +5,9 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from kernels.activation import (fusable, relu2, relu2_ref, gelu_tanh_and_mul, gelu_tanh_and_mul_ref, silu_and_mul,
-                                silu_and_mul_ref, swiglu_oai_and_mul, swiglu_oai_and_mul_ref)
+from kernels.activation import (fusable, relu2, relu2_ref, gelu_tanh_and_mul, gelu_tanh_and_mul_ref, sigmoid_gate_mul,
+                                sigmoid_gate_mul_ref, silu_and_mul, silu_and_mul_ref, swiglu_oai_and_mul,
+                                swiglu_oai_and_mul_ref)
 from kernels.kv_store import store_kv, store_kv_ref
 from kernels.gated_rmsnorm import GatedRMSNorm
 from kernels.fp8 import dequantize_fp8, dequantize_fp8_ref
@@ -55,6 +56,7 @@ selective_scan_update_op = _pick(selective_scan_update, selective_scan_update_re
 gated_delta_varlen_op = _pick(gated_delta_varlen, gated_delta_varlen_ref)
 gated_delta_update_op = _pick(gated_delta_update, gated_delta_update_ref)
 greedy_pick_op = _pick(greedy_pick, greedy_pick_ref)
+sigmoid_gate_mul_op = _pick(sigmoid_gate_mul, sigmoid_gate_mul_ref)
 
 
 def fused_experts_op(x: torch.Tensor, w13, w2, topk_weights, topk_ids, act_and_mul, *a, **k) -> torch.Tensor:
@@ -95,10 +97,10 @@ def _norm_first(x: torch.Tensor, norm: GatedRMSNorm | None, n: int) -> tuple[tor
 
 
 def _gate_first(x: torch.Tensor, gate: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(x, gate) for the product: the gate stays for the one-row GEMV, else applies first (torch)."""
+    """(x, gate) for the product: the gate stays for the one-row GEMV, else applies first."""
     if gate is None or (_one_row(x) and gate.stride(-1) == 1):
         return x, gate
-    return x * torch.sigmoid(gate), None
+    return sigmoid_gate_mul_op(x, gate), None
 
 
 def _act_first(x: torch.Tensor, act) -> tuple[torch.Tensor, tuple[int, bool] | None]:

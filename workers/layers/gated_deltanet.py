@@ -189,10 +189,12 @@ class GatedDeltaNet(PooledStateLayer):
                                           m.chunk_start, m.chunk_seq, m.chunk_pages[j])
         q, k, v = qkv.split([hk * K, hk * K, hv * V], dim=-1)
         q, k, v = q.view(T, hk, K), k.view(T, hk, K), v.view(T, hv, V)
+        norm = self.norm.spec(z)
         if m.decode:
             y = gated_delta_update_op(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_state, m.init_pages[j],
                                       m.write_pages[j])
-        else:
-            y = gated_delta_varlen_op(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_state, meta.query_start_loc,
-                                      m.init_pages[j], m.chunk_start, m.chunk_seq, m.chunk_pages[j])
-        return self.out_proj(y.view(T, hv * V), norm=self.norm.spec(z))
+            return self.out_proj(y.view(T, hv * V), norm=norm)
+        # a prefill's norm runs in the rule's output launch
+        y = gated_delta_varlen_op(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_state, meta.query_start_loc,
+                                  m.init_pages[j], m.chunk_start, m.chunk_seq, m.chunk_pages[j], norm=norm)
+        return self.out_proj(y.view(T, hv * V))
