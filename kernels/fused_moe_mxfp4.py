@@ -20,13 +20,18 @@ own upcast and a bf16 product on GPUs without FP4 tensor cores, Hopper's include
 (the kernel's own: the nibbles decoded with integer ops into float32 bits, times the scale, cast to
 the activations' dtype, then `tl.dot`; any dtype, fp32 included; `DISTENGINE_MXFP4_DOT=decode`
 picks it for bf16 too). A few tokens (up to `GEMV_MAX_TOKENS`) take neither: `_experts_gemv_mxfp4`
-runs each (token, expert) pair as GEMVs on the CUDA cores, decoding the weights eight at a time
-from int32 words (`_word_dot`: a nibble's bits moved into a float16's, two per word-wide
-instruction), with no alignment and the sum over k in the down launch: at one token a 16-row tile
-of the tensor-core path is 15 rows of padding, and Hopper has no FP4 products, so the upcast
-bounds every way. `fused_experts_mxfp4_ref` dequantizes the experts a batch chose, deinterleaves
-their gate/up rows and runs `fused_experts_ref` with `swiglu_oai_and_mul_ref` (the engine's path
-on CPU and the tests' oracle).
+runs each (token, expert) pair as GEMVs on the CUDA cores, with no alignment and the sum over k
+in the down launch: at one token a 16-row tile of the tensor-core path is 15 rows of padding, and
+Hopper has no FP4 products, so the instructions that turn 4-bit weights into numbers bound every
+way. The GEMVs read the weights as int32 words of eight elements. With 16-bit activations
+(`_f16x2_products`, inline PTX) a word's eight elements become four float16 pairs through e4m3
+(two per conversion instruction) and meet x, rounded to float16 (beyond +-65,504 clamped), in
+four paired product-adds, float16 sums of four products that are added in float32: 3.7-3.9
+instructions a weight, against 6.2-6.7 in float32, which 4-byte activations keep (`_word_dot`).
+Under Triton's interpreter the same sums run in its operations. `fused_experts_mxfp4_ref`
+dequantizes the experts a batch chose, deinterleaves their gate/up rows and runs
+`fused_experts_ref` with `swiglu_oai_and_mul_ref` (the engine's path on CPU and the tests'
+oracle).
 """
 from __future__ import annotations
 
@@ -100,15 +105,22 @@ def _e8m0_to_float(s):
 
 
 @triton.jit
-def _mxfp4_to_float(w, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[BLOCK_N, BLOCK_K/2] packed bytes and [BLOCK_N, BLOCK_K/32] E8M0 scales -> [BLOCK_N, BLOCK_K]
-    float32. An e2m1 magnitude m (3 bits) is 0, 0.5 for m = 1, else 2^(m>>1 - 1) (1 + (m&1)/2):
-    its float32 bits are (m << 22) + (126 << 23) from m = 2 on, m * (126 << 23) below."""
-    nib = tl.join(w & 0x0F, w >> 4).reshape(BLOCK_N, BLOCK_K).to(tl.uint32)
+def _e2m1_to_float(nib):
+    """4-bit e2m1 codes (uint32) -> float32. A magnitude m (3 bits) is 0, 0.5 for m = 1, else
+    2^(m>>1 - 1) (1 + (m&1)/2): its float32 bits are (m << 22) + (126 << 23) from m = 2 on,
+    m * (126 << 23) below."""
     mag = nib & 7
     bits = tl.where(mag >= 2, (mag << 22) + 0x3F000000, mag * 0x3F000000) | ((nib & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mxfp4_to_float(w, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_N, BLOCK_K/2] packed bytes and [BLOCK_N, BLOCK_K/32] E8M0 scales -> [BLOCK_N, BLOCK_K]
+    float32."""
+    nib = tl.join(w & 0x0F, w >> 4).reshape(BLOCK_N, BLOCK_K).to(tl.uint32)
     scale = tl.broadcast_to(_e8m0_to_float(s)[:, :, None], (BLOCK_N, BLOCK_K // 32, 32)).reshape(BLOCK_N, BLOCK_K)
-    return bits.to(tl.float32, bitcast=True) * scale
+    return _e2m1_to_float(nib) * scale
 
 
 @triton.jit(do_not_specialize=["num_rows"])  # T*k changes with every prefill's length
@@ -167,6 +179,92 @@ def _moe_mxfp4_gemm_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, rows_ptr, 
                  mask=row_ok[:, None] & n_ok[None, :])
 
 
+# Eight products of a word in float16 pairs (Hopper's HFMA2: two a lane-wide instruction). The
+# nibbles become e4m3 bytes s00eem00 (an e2m1 value times 2^-6, its subnormals included:
+# `cvt.rn.f16x2.e4m3x2` turns two into a float16 pair in one instruction): the low nibbles of the
+# four bytes in `e`, the high ones in `o`, interleaved back to element order by two byte
+# permutes, so that pair c holds elements (2c, 2c + 1) and meets x's pair c as stored. Each lane
+# sums four products in float16; the two lanes are added in float32.
+_F16X2_PRODUCTS = tl.constexpr("""{
+.reg .b32 t, e, o, p, q, h0, h1, h2, h3, acc;
+.reg .b16 p0, p1, q0, q1, al, ah;
+.reg .f32 fl, fh;
+shl.b32 t, $1, 2;
+and.b32 e, t, 0x1C1C1C1C;
+shl.b32 t, $1, 4;
+and.b32 t, t, 0x80808080;
+or.b32 e, e, t;
+shr.u32 t, $1, 2;
+and.b32 o, t, 0x1C1C1C1C;
+and.b32 t, $1, 0x80808080;
+or.b32 o, o, t;
+prmt.b32 p, e, o, 0x5140;
+prmt.b32 q, e, o, 0x7362;
+mov.b32 {p0, p1}, p;
+mov.b32 {q0, q1}, q;
+cvt.rn.f16x2.e4m3x2 h0, p0;
+cvt.rn.f16x2.e4m3x2 h1, p1;
+cvt.rn.f16x2.e4m3x2 h2, q0;
+cvt.rn.f16x2.e4m3x2 h3, q1;
+mul.rn.f16x2 acc, h0, $2;
+fma.rn.f16x2 acc, h1, $3, acc;
+fma.rn.f16x2 acc, h2, $4, acc;
+fma.rn.f16x2 acc, h3, $5, acc;
+mov.b32 {al, ah}, acc;
+cvt.f32.f16 fl, al;
+cvt.f32.f16 fh, ah;
+add.f32 $0, fl, fh;
+}""")
+_F16X2_OF = tl.constexpr("cvt.rn.satfinite.f16x2.f32 $0, $2, $1;")
+F16_SCALE = tl.constexpr(64.0)  # `_f16x2_products` multiplies by e2m1 values times 2^-6
+
+
+@triton.jit
+def _f16_bits(v):
+    """float32 -> the bits of float16, saturating at +-65,504 (uint32)."""
+    return tl.minimum(tl.maximum(v, -65504.0), 65504.0).to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+
+
+@triton.jit
+def _f16x2_words(lo, hi, EMULATE: tl.constexpr):
+    """float32 (lo, hi) -> their float16 pair as a word (lo in the low half), saturating at
+    +-65,504."""
+    if EMULATE:
+        return _f16_bits(lo) | (_f16_bits(hi) << 16)
+    else:
+        return tl.inline_asm_elementwise(_F16X2_OF, "=r,f,f", [lo, hi], dtype=tl.uint32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _f16_pair_fma(w, SHIFT: tl.constexpr, xq, lo, hi):
+    """The interpreter's form of one float16 product-add of `_F16X2_PRODUCTS`: elements
+    (SHIFT / 4, SHIFT / 4 + 1) of words w times the float16 pair xq, added to the lanes (lo, hi)
+    and rounded to float16."""
+    x_lo = (xq & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    x_hi = (xq >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    lo = (_e2m1_to_float((w >> SHIFT) & 0xF) * 0.015625 * x_lo + lo).to(tl.float16).to(tl.float32)
+    hi = (_e2m1_to_float((w >> (SHIFT + 4)) & 0xF) * 0.015625 * x_hi + hi).to(tl.float16).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _f16x2_products(w, x0, x1, x2, x3, EMULATE: tl.constexpr):
+    """sum_c e2m1(element c of int32 words w) * 2^-6 * x[c] as float32, x as four float16 pairs
+    x0..x3 (elements 0-1, 2-3, 4-5, 6-7): `_F16X2_PRODUCTS`, or under the interpreter the same
+    sums in Triton's operations."""
+    if EMULATE:
+        lo = tl.zeros(w.shape, tl.float32)
+        hi = tl.zeros(w.shape, tl.float32)
+        lo, hi = _f16_pair_fma(w, 0, x0, lo, hi)
+        lo, hi = _f16_pair_fma(w, 8, x1, lo, hi)
+        lo, hi = _f16_pair_fma(w, 16, x2, lo, hi)
+        lo, hi = _f16_pair_fma(w, 24, x3, lo, hi)
+        return lo + hi
+    else:
+        return tl.inline_asm_elementwise(_F16X2_PRODUCTS, "=f,r,r,r,r,r", [w, x0, x1, x2, x3], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+
+
 @triton.jit
 def _f16x2_to_float(v):
     """The two float16 halves of int32 words -> (low, high) as float32."""
@@ -175,79 +273,120 @@ def _f16x2_to_float(v):
 
 
 @triton.jit
-def _word_dot(w, x_row, kw, k_ok):
-    """sum_c e2m1(element c of word w) * x[8 kw + c] over the eight 4-bit elements of int32 words
-    w [BLOCK_N, W] (bytes b0..b3, low nibble first: elements 0..7), each e2m1 value scaled by 2^-14.
-    A nibble s|eem is the float16 s << 15 | eem << 9 (e2m1 is a float16 with two exponent bits,
-    its subnormals included), and two of them are made at once in one word's two halves: the
-    low nibbles of b0 and b2, of b1 and b3, the high ones likewise."""
+def _word_dot(w, x_rows, kw, x_ok):
+    """sum_c e2m1(element c of word w) * x[8 kw + c] in float32 over the eight 4-bit elements of
+    int32 words w [SLOTS, BLOCK_N, W] (bytes b0..b3, low nibble first: elements 0..7), each e2m1
+    value scaled by 2^-14, x_rows [SLOTS] each slot's activation row. A nibble s|eem is the
+    float16 s << 15 | eem << 9 (e2m1 is a float16 with two exponent bits, its subnormals
+    included), and two of them are made at once in one word's two halves: the low nibbles of b0
+    and b2, of b1 and b3, the high ones likewise. For 4-byte activations, whose precision float16
+    products would lose."""
     v04 = ((w & 0x00070007) << 9) | ((w & 0x00080008) << 12)
     v26 = ((w & 0x07000700) << 1) | ((w & 0x08000800) << 4)
     v15 = ((w & 0x00700070) << 5) | ((w & 0x00800080) << 8)
     v37 = ((w >> 3) & 0x0E000E00) | (w & 0x80008000)
-    x0 = x_row + 8 * kw
+    x0 = x_rows[:, None, None] + 8 * kw[None, None, :]
     e0, e4 = _f16x2_to_float(v04)
-    acc = e0 * tl.load(x0, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-    acc += e4 * tl.load(x0 + 4, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+    acc = e0 * tl.load(x0, mask=x_ok, other=0.0).to(tl.float32)
+    acc += e4 * tl.load(x0 + 4, mask=x_ok, other=0.0).to(tl.float32)
     e2, e6 = _f16x2_to_float(v26)
-    acc += e2 * tl.load(x0 + 2, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-    acc += e6 * tl.load(x0 + 6, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+    acc += e2 * tl.load(x0 + 2, mask=x_ok, other=0.0).to(tl.float32)
+    acc += e6 * tl.load(x0 + 6, mask=x_ok, other=0.0).to(tl.float32)
     e1, e5 = _f16x2_to_float(v15)
-    acc += e1 * tl.load(x0 + 1, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-    acc += e5 * tl.load(x0 + 5, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+    acc += e1 * tl.load(x0 + 1, mask=x_ok, other=0.0).to(tl.float32)
+    acc += e5 * tl.load(x0 + 5, mask=x_ok, other=0.0).to(tl.float32)
     e3, e7 = _f16x2_to_float(v37)
-    acc += e3 * tl.load(x0 + 3, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-    acc += e7 * tl.load(x0 + 7, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+    acc += e3 * tl.load(x0 + 3, mask=x_ok, other=0.0).to(tl.float32)
+    acc += e7 * tl.load(x0 + 7, mask=x_ok, other=0.0).to(tl.float32)
     return acc
 
 
 @triton.jit
-def _mxfp4_row_dot(a_row, w_rows, s_rows, n_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """w[rows] @ a[:K] for BLOCK_N rows of an MXFP4 weight (`w_rows` their blocks as int32 words,
-    `s_rows` their scales) and one activation row, float32 [BLOCK_N]: no tensor cores, every
-    weight decoded once (`_word_dot`) and multiplied with its x in float32."""
-    rw = tl.arange(0, BLOCK_K // 8)
-    rs = tl.arange(0, BLOCK_K // 32)
-    acc = tl.zeros([BLOCK_N, BLOCK_K // 32], tl.float32)
-    for k in range(0, K, BLOCK_K):
-        kw = k // 8 + rw
-        k_ok = kw < K // 8
-        w = tl.load(w_rows[:, None] + kw[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0).to(tl.uint32,
-                                                                                                   bitcast=True)
-        ks = k // 32 + rs
-        scale = _e8m0_to_float(tl.load(s_rows[:, None] + ks[None, :], mask=n_ok[:, None] & (ks < K // 32)[None, :],
-                                       other=127))
-        part = _word_dot(w, a_row, kw, k_ok)
-        acc += tl.sum(tl.reshape(part, [BLOCK_N, BLOCK_K // 32, 4]), 2) * scale  # a scale a block of 4 words
-    return tl.sum(acc, 1) * 16384.0  # (2^14: `_word_dot`)
+def _weight_words(w_rows, w_ok, kw0, KW, NW: tl.constexpr):
+    """Words kw0 .. kw0 + NW of each row in `w_rows` [SLOTS_P2, BLOCK_N] (uint32 [SLOTS_P2,
+    BLOCK_N, NW], 0 past KW or where not w_ok); the rows start on 16-byte boundaries, so each
+    thread reads four words at once."""
+    kw = tl.max_contiguous(tl.multiple_of(kw0 + tl.arange(0, NW), NW), NW)
+    return tl.load(w_rows[:, :, None] + kw[None, None, :], mask=w_ok & (kw < KW)[None, None, :], other=0).to(
+        tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _mxfp4_rows_dot(x_rows, w_rows, s_rows, w, slot_ok, n_ok, KW, SLOTS_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, F16: tl.constexpr, EMULATE: tl.constexpr):
+    """w[rows] @ x for BLOCK_N rows of each slot's MXFP4 weight (`w_rows` [SLOTS_P2, BLOCK_N]
+    their blocks as int32 words, KW words a row, `s_rows` their scales; `w` their first step's
+    words, read by the caller) and the slot's activation row (`x_rows` [SLOTS_P2]), float32
+    [SLOTS_P2, BLOCK_N]: no tensor cores, every weight decoded once. All slots' tiles are read in
+    one step, so that a program's loads do not wait on each other. F16: the products in float16
+    pairs (`_f16x2_products`, x rounded to float16); otherwise in float32 (`_word_dot`)."""
+    NW: tl.constexpr = BLOCK_K // 8
+    NB: tl.constexpr = BLOCK_K // 32
+    rw = tl.arange(0, NW)
+    rb = tl.arange(0, NB)
+    r8 = tl.arange(0, 8)
+    w_ok = slot_ok[:, None, None] & n_ok[None, :, None]
+    acc = tl.zeros([SLOTS_P2, BLOCK_N, NB], tl.float32)
+    for kw0 in range(0, KW, NW):
+        kw = tl.max_contiguous(tl.multiple_of(kw0 + rw, NW), NW)
+        k_ok = kw < KW
+        if F16:
+            xv = tl.load(x_rows[:, None, None] + kw[None, :, None] * 8 + r8[None, None, :],
+                         mask=slot_ok[:, None, None] & k_ok[None, :, None], other=0.0).to(tl.float32)
+            lo, hi = tl.split(tl.reshape(xv, [SLOTS_P2, NW, 4, 2]))
+            pairs = _f16x2_words(lo, hi, EMULATE)  # [SLOTS_P2, NW, 4]: elements (2c, 2c + 1) of each word
+            p02, p13 = tl.split(tl.reshape(pairs, [SLOTS_P2, NW, 2, 2]))
+            x0, x2 = tl.split(p02)
+            x1, x3 = tl.split(p13)
+            part = _f16x2_products(w, x0[:, None, :], x1[:, None, :], x2[:, None, :], x3[:, None, :], EMULATE)
+        else:
+            part = _word_dot(w, x_rows, kw, slot_ok[:, None, None] & k_ok[None, None, :])
+        kb = kw0 // 4 + rb
+        scale = _e8m0_to_float(tl.load(s_rows[:, :, None] + kb[None, None, :],
+                                       mask=w_ok & (kb < KW // 4)[None, None, :], other=127))
+        acc += tl.sum(tl.reshape(part, [SLOTS_P2, BLOCK_N, NB, 4]), 3) * scale  # a scale a block of 4 words
+        w = _weight_words(w_rows, w_ok, kw0 + NW, KW, NW)
+    return tl.sum(acc, 2) * (F16_SCALE if F16 else 16384.0)  # (2^14: `_word_dot`)
 
 
 @triton.jit
 def _moe_mxfp4_gemv_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, ids_ptr, N, K, stride_am, stride_we,
                            stride_wn, stride_se, stride_sn, stride_be, stride_cm, alpha, limit,
-                           SLOTS: tl.constexpr, A_ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           MUL_ROUTED: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                           SLOTS: tl.constexpr, SLOTS_P2: tl.constexpr, A_ROW_DIV: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, MUL_ROUTED: tl.constexpr, SWIGLU: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F16: tl.constexpr,
+                           IDS_EARLY: tl.constexpr, EMULATE: tl.constexpr, PDL: tl.constexpr):
     """BLOCK_N output columns of output row r = program_id(0): the sum over its SLOTS pairs
     p = r * SLOTS + j of a[p // A_ROW_DIV] @ w[e_p]^T (+ b[e_p]) (* rw[p]), e_p = ids[p]. With
     SWIGLU (one slot) the columns are (gate, up) pairs and BLOCK_N / 2 of gpt-oss's activation
-    of them are written."""
-    pdl_wait(PDL)
+    of them are written. w's rows are whole words (stride_wn, stride_we multiples of 4 words).
+    IDS_EARLY: ids were written at least two launches back (the down launch after the gate/up
+    one), so the ids and the first weight tile are read before the PDL wait (`kernels/pdl.py`)."""
+    if not IDS_EARLY:
+        pdl_wait(PDL)
     row = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = rn < N
-    y = tl.zeros([BLOCK_N], tl.float32)
-    for j in tl.static_range(SLOTS):
-        pair = row * SLOTS + j
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
-        v = _mxfp4_row_dot(a_ptr + (pair // A_ROW_DIV).to(tl.int64) * stride_am,
-                           w_ptr + expert * stride_we + rn.to(tl.int64) * stride_wn,
-                           s_ptr + expert * stride_se + rn.to(tl.int64) * stride_sn, n_ok, K, BLOCK_N, BLOCK_K)
-        if HAS_BIAS:
-            v += tl.load(b_ptr + expert * stride_be + rn, mask=n_ok, other=0.0).to(tl.float32)
-        if MUL_ROUTED:
-            v *= tl.load(rw_ptr + pair).to(tl.float32)
-        y += v
+    rs = tl.arange(0, SLOTS_P2)
+    slot_ok = rs < SLOTS
+    pair = row * SLOTS + rs
+    expert = tl.load(ids_ptr + pair, mask=slot_ok, other=0).to(tl.int64)
+    x_rows = a_ptr + (pair // A_ROW_DIV).to(tl.int64) * stride_am
+    # The row offsets as whole words (16 bytes), so that the weight loads are 16-byte vectors.
+    w_rows = (w_ptr + tl.multiple_of(expert * stride_we, 4)[:, None]
+              + tl.multiple_of(rn * stride_wn, 4).to(tl.int64)[None, :])
+    s_rows = s_ptr + expert[:, None] * stride_se + rn.to(tl.int64)[None, :] * stride_sn
+    KW = tl.multiple_of(K // 8, 4)  # K is a multiple of 32
+    w = _weight_words(w_rows, slot_ok[:, None, None] & n_ok[None, :, None], 0, KW, BLOCK_K // 8)
+    if IDS_EARLY:
+        pdl_wait(PDL)
+    v = _mxfp4_rows_dot(x_rows, w_rows, s_rows, w, slot_ok, n_ok, KW, SLOTS_P2, BLOCK_N, BLOCK_K, F16, EMULATE)
+    if HAS_BIAS:
+        v += tl.load(b_ptr + expert[:, None] * stride_be + rn[None, :], mask=slot_ok[:, None] & n_ok[None, :],
+                     other=0.0).to(tl.float32)
+    if MUL_ROUTED:
+        v *= tl.load(rw_ptr + pair, mask=slot_ok, other=0.0).to(tl.float32)[:, None]
+    y = tl.sum(v, 0)
     out_row = c_ptr + row.to(tl.int64) * stride_cm
     if SWIGLU:
         gate, up = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
@@ -282,37 +421,49 @@ def mxfp4_config(num_pairs: int, num_experts: int, itemsize: int = 2) -> dict:
 
 
 # Up to this many tokens the experts run as GEMVs (`_experts_gemv_mxfp4`). gpt-oss-120b's experts
-# on one H200 (`kernels.bench.moe_mxfp4`, CUDA graphs, cold L2): 46.3 / 74.0 / 130.2 / 246.8 us at
-# 1 / 2 / 4 / 8 tokens against 68.7 / 98.1 / 159.2 / 288.0 for the grouped GEMMs with `tl.dot_scaled`.
+# on one H200 (`kernels.bench.moe_mxfp4`, CUDA graphs, cold L2): 33.3 / 53.5 / 86.6 / 156.3 us at
+# 1 / 2 / 4 / 8 tokens against 75.4 / 105.7 / 159.4 / 277.8 for the grouped GEMMs with `tl.dot_scaled`.
 GEMV_MAX_TOKENS = 8
 
 
-def mxfp4_gemv_config(k: int, slots: int) -> dict:
-    """GEMV tiles of a weight of K columns whose launch sums `slots` pairs an output row. From the
-    H200 sweep (`kernels.bench.moe_mxfp4 --gemv-sweep 1`, gpt-oss-120b, one token): 8 rows x 1,024
-    columns a program; 4 warps for the gate/up launch (27.4 us, against 29.1 with 16 x 1,024), 8 for
-    the down launch that sums a token's 4 pairs (21.0 us, against 18.1 + 5.3 for a launch a pair
-    and the sum's own launch)."""
-    return {"BLOCK_N": 8, "BLOCK_K": min(1024, max(MXFP4_BLOCK, triton.next_power_of_2(k))),
-            "num_warps": 8 if slots > 1 else 4}
+def mxfp4_gemv_config(k: int, slots: int, f16: bool = True, rows: int = 1) -> dict:
+    """GEMV tiles of a weight of K columns whose launch sums `slots` pairs into each of its `rows`
+    output rows, with float16 products (`f16`) or float32 ones. From the H200 sweeps
+    (gpt-oss-120b, `python -m kernels.bench.moe_mxfp4 --gemv-sweep 1 8`, three calls), float16
+    products: the gate/up launch on 8 weight rows x 1,024 columns a 1-warp program (one token
+    22.0-22.7 us, 4 rows 21.9-22.7; eight tokens 103.9 against 114.9); the down launch, which
+    reads a token's 4 pairs' tiles in one step, on 8 rows x 1,024 on 8 warps for one token (15.4-
+    15.8 us, 4 warps 15.4-16.5) and 4 warps for more (eight tokens 60.8 against 69.2). Float32
+    products: 8 x 1,024 on 4 warps for gate/up (27.4 us) and 8 for down (21.0). Reading each
+    step's tile before the step before is multiplied was slower in every case."""
+    block_k = min(1024, max(MXFP4_BLOCK, triton.next_power_of_2(k)))
+    if not f16:
+        return {"BLOCK_N": 8, "BLOCK_K": block_k, "num_warps": 8 if slots > 1 else 4}
+    if slots > 1:
+        return {"BLOCK_N": 8, "BLOCK_K": block_k, "num_warps": 8 if rows == 1 else 4}
+    return {"BLOCK_N": 8, "BLOCK_K": block_k, "num_warps": 1}
 
 
 def _words(w: MXFP4Weight) -> torch.Tensor | None:
-    """w's blocks as int32 words of eight elements (`_word_dot`), None where its rows do not start
-    on 4-byte boundaries."""
+    """w's blocks as int32 words of eight elements, None where its rows do not start on 16-byte
+    boundaries (the GEMVs read four words at once)."""
     b = w.blocks
-    if b.storage_offset() % 4 or b.stride(0) % 4 or b.stride(1) % 4 or b.shape[2] % 4:
+    if b.storage_offset() % 16 or b.stride(0) % 16 or b.stride(1) % 16 or b.shape[2] % 16:
         return None
     return b.view(torch.int32)
 
 
 def _gemv_mxfp4(a, w: MXFP4Weight, words: torch.Tensor, b, ids, out, routed, slots: int, a_row_div: int,
-                act: SwigluOAI | None = None, config: dict | None = None) -> None:
+                act: SwigluOAI | None = None, config: dict | None = None, ids_early: bool = False) -> None:
     """One launch: out[r] = the sum over the pairs p = r * slots + j of a[p // a_row_div] @
     w[ids[p]]^T (+ b) (* routed[p]), or with `act` (one slot) the activation of its (gate, up)
-    column pairs; `words` w's blocks (`_words`)."""
+    column pairs; `words` w's blocks (`_words`). 2-byte activations take float16 products (x
+    rounded to float16, beyond +-65,504 clamped), 4-byte ones float32 products. `ids_early`: ids
+    were written before the launch this one follows (the kernel reads them, and its first weight
+    tile, before its PDL wait)."""
     _, n, k = w.shape
-    cfg = config or mxfp4_gemv_config(k, slots)
+    f16 = a.element_size() == 2
+    cfg = config or mxfp4_gemv_config(k, slots, f16, out.shape[0])
     if cfg["BLOCK_K"] % MXFP4_BLOCK or (act is not None and cfg["BLOCK_N"] % 2):
         raise ValueError(f"GEMV tiles need BLOCK_K a multiple of {MXFP4_BLOCK} (and an even BLOCK_N with the "
                          f"activation), got {cfg}")
@@ -321,9 +472,10 @@ def _gemv_mxfp4(a, w: MXFP4Weight, words: torch.Tensor, b, ids, out, routed, slo
         a, words, w.scales, b if b is not None else a, out, routed if routed is not None else out, ids, n, k,
         a.stride(0), words.stride(0), words.stride(1), w.scales.stride(0), w.scales.stride(1),
         b.stride(0) if b is not None else 0, out.stride(0), act.alpha if act is not None else 0.0,
-        act.limit if act is not None else 0.0, SLOTS=slots, A_ROW_DIV=a_row_div, HAS_BIAS=b is not None,
-        MUL_ROUTED=routed is not None, SWIGLU=act is not None, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        num_warps=cfg["num_warps"], num_stages=1, **pdl_args(a))
+        act.limit if act is not None else 0.0, SLOTS=slots, SLOTS_P2=triton.next_power_of_2(slots),
+        A_ROW_DIV=a_row_div, HAS_BIAS=b is not None, MUL_ROUTED=routed is not None, SWIGLU=act is not None,
+        BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], F16=f16, IDS_EARLY=ids_early,
+        EMULATE=os.environ.get("TRITON_INTERPRET") == "1", num_warps=cfg["num_warps"], num_stages=1, **pdl_args(a))
 
 
 def _experts_gemv_mxfp4(x, w13: MXFP4Weight, w2: MXFP4Weight, words13: torch.Tensor, words2: torch.Tensor,
@@ -331,11 +483,12 @@ def _experts_gemv_mxfp4(x, w13: MXFP4Weight, w2: MXFP4Weight, words13: torch.Ten
     """A few tokens' experts without tensor cores or alignment, two launches: each pair's gate/up
     GEMV with the activation, then each token's down GEMVs summed over its k pairs."""
     t, k = topk_ids.shape
-    ids = topk_ids.reshape(-1).contiguous()
+    ids, routed = topk_ids.reshape(-1).contiguous(), topk_weights.reshape(-1).contiguous()
     inter = torch.empty((t * k, w2.shape[2]), dtype=x.dtype, device=x.device)
     _gemv_mxfp4(x, w13, words13, b13, ids, inter, None, 1, k, act)
     out = torch.empty((t, w2.shape[1]), dtype=x.dtype, device=x.device)
-    _gemv_mxfp4(inter, w2, words2, b2, ids, out, topk_weights.reshape(-1).contiguous(), k, 1)
+    # ids were written before the gate/up launch, which only reads them.
+    _gemv_mxfp4(inter, w2, words2, b2, ids, out, routed, k, 1, ids_early=True)
     return out
 
 

@@ -822,7 +822,8 @@ def test_skinny_gemm_bad_arguments():
 # kernel writes, and data a kernel at least two launches back wrote (kernels/pdl.py): a step's
 # inputs (positions, slots), the DeltaNet update's pages and state, the experts' second GEMV's ids.
 EARLY_READS = {"_gdn_update_kernel": ("init_ptr", "write_ptr", "state_ptr", "alog_ptr", "dtb_ptr"),
-               "_moe_gemv_kernel": ("ids_ptr",), "_rms_norm_kernel": ("pre_w_ptr",),
+               "_moe_gemv_kernel": ("ids_ptr",), "_moe_mxfp4_gemv_kernel": ("ids_ptr",),
+               "_rms_norm_kernel": ("pre_w_ptr",),
                "_rope_kernel": ("pos_ptr", "cache_ptr", "slot_ptr"),
                "_qk_norm_rope_kernel": ("pos_ptr", "cache_ptr", "slot_ptr")}
 

@@ -184,8 +184,30 @@ def test_gemv_writes_each_output_row_once_and_nothing_else(down, cfg):
     assert torch.isnan(wide[:, cols:]).all(), "wrote outside the output rows"
 
 
+def test_gemv_float16_products_clamp_activations_beyond_float16():
+    """16-bit activations meet the weights as float16: values beyond +-65,504 (bf16 holds them)
+    count as +-65,504, finite, not inf; the rest as float16 rounds them. A down launch of two
+    pairs a token against the float64 loop on x so clamped; fp32 activations keep their values."""
+    t, e, k, kdim, n = 2, 4, 2, 64, 16
+    g = torch.Generator().manual_seed(11)
+    a = torch.randn(t * k, kdim, generator=g)
+    a[0, 3], a[1, 40], a[3, 63] = 1.0e5, -3.0e6, 7.0e4
+    w = mxfp4_weight(e, n, kdim, seed=4)
+    weights, ids = routing(t, e, k, seed=5)
+    flat, routed = ids.flatten().contiguous(), weights.reshape(-1).contiguous()
+    wf = dequantize_mxfp4(w.blocks, w.scales, torch.float64)
+    for dtype, limit in ((torch.bfloat16, 65504.0), (torch.float32, None)):
+        x = a.to(DEVICE, dtype)
+        out = torch.empty(t, n, device=DEVICE, dtype=dtype)
+        _gemv_mxfp4(x, w, _words(w), None, flat, out, routed.to(dtype), k, 1)
+        seen = x.double().clamp(-limit, limit) if limit else x.double()
+        for r in range(t):
+            want = sum(routed[p].to(dtype).double() * (wf[flat[p]] @ seen[p]) for p in range(r * k, r * k + k))
+            assert torch.isfinite(out[r]).all() and rel_err(out[r], want) < (1e-2 if limit else 1e-5), (dtype, r)
+
+
 def test_blocks_off_word_boundaries_take_the_grouped_path():
-    """Blocks whose rows do not start on 4-byte boundaries (a view into wider rows) cannot be read
+    """Blocks whose rows do not start on 16-byte boundaries (a view into wider rows) cannot be read
     as words: the op takes the grouped GEMMs instead, with the same result."""
     e, k, h, inter = 4, 2, 64, 32
     wide = torch.randint(0, 256, (e, 2 * inter, h // 2 + 1), dtype=torch.uint8,

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 GEMV_SWEEP = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w)
-              for n, k, w in itertools.product((8, 16, 32, 64), (512, 1024), (2, 4, 8))]
+              for n, k, w in itertools.product((4, 8, 16), (1024,), (1, 2, 4, 8))]
 
 
 def gemv_sweep(x, w13, w2, weights, ids, b13, b2) -> None:
@@ -119,7 +119,8 @@ def gemv_sweep(x, w13, w2, weights, ids, b13, b2) -> None:
     inter = torch.randn(t * k, w2.shape[2], device="cuda", dtype=torch.bfloat16)
     out = torch.empty(t, w2.shape[1], device="cuda", dtype=torch.bfloat16)
     launches = {"gate_up": lambda cfg: _gemv_mxfp4(x, w13, _words(w13), b13, flat, inter, None, 1, k, ACT, cfg),
-                "down": lambda cfg: _gemv_mxfp4(inter, w2, _words(w2), b2, flat, out, routed, k, 1, config=cfg)}
+                "down": lambda cfg: _gemv_mxfp4(inter, w2, _words(w2), b2, flat, out, routed, k, 1, config=cfg,
+                                                ids_early=True)}
     for name, launch in launches.items():
         results = []
         for cfg in GEMV_SWEEP:
