@@ -240,8 +240,7 @@ def _f16_pair_fma(w, SHIFT: tl.constexpr, xq, lo, hi):
     """The interpreter's form of one float16 product-add of `_F16X2_PRODUCTS`: elements
     (SHIFT / 4, SHIFT / 4 + 1) of words w times the float16 pair xq, added to the lanes (lo, hi)
     and rounded to float16."""
-    x_lo = (xq & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    x_hi = (xq >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    x_lo, x_hi = _f16x2_to_float(xq)
     lo = (_e2m1_to_float((w >> SHIFT) & 0xF) * 0.015625 * x_lo + lo).to(tl.float16).to(tl.float32)
     hi = (_e2m1_to_float((w >> (SHIFT + 4)) & 0xF) * 0.015625 * x_hi + hi).to(tl.float16).to(tl.float32)
     return lo, hi
