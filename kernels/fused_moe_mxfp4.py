@@ -179,42 +179,42 @@ def _moe_mxfp4_gemm_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, rows_ptr, 
                  mask=row_ok[:, None] & n_ok[None, :])
 
 
-# Eight products of a word in float16 pairs (Hopper's HFMA2: two a lane-wide instruction). The
-# nibbles become e4m3 bytes s00eem00 (an e2m1 value times 2^-6, its subnormals included:
-# `cvt.rn.f16x2.e4m3x2` turns two into a float16 pair in one instruction): the low nibbles of the
-# four bytes in `e`, the high ones in `o`, interleaved back to element order by two byte
-# permutes, so that pair c holds elements (2c, 2c + 1) and meets x's pair c as stored. Each lane
-# sums four products in float16; the two lanes are added in float32.
-_F16X2_PRODUCTS = tl.constexpr("""{
-.reg .b32 t, e, o, p, q, h0, h1, h2, h3, acc;
-.reg .b16 p0, p1, q0, q1, al, ah;
-.reg .f32 fl, fh;
-shl.b32 t, $1, 2;
+# A word's eight nibbles as e4m3 bytes s00eem00 (an e2m1 value times 2^-6, its subnormals
+# included; `cvt.rn.f16x2.e4m3x2` turns two into a float16 pair in one instruction): the low
+# nibbles of the four bytes in `e`, the high ones in `o`. A half of e or o holds two elements two
+# apart, so x's pairs are taken in that order (`_x_pairs`) and no byte permute is needed.
+_E4M3_BYTES = """shl.b32 t, {w}, 2;
 and.b32 e, t, 0x1C1C1C1C;
-shl.b32 t, $1, 4;
+shl.b32 t, {w}, 4;
 and.b32 t, t, 0x80808080;
 or.b32 e, e, t;
-shr.u32 t, $1, 2;
+shr.u32 t, {w}, 2;
 and.b32 o, t, 0x1C1C1C1C;
-and.b32 t, $1, 0x80808080;
+and.b32 t, {w}, 0x80808080;
 or.b32 o, o, t;
-prmt.b32 p, e, o, 0x5140;
-prmt.b32 q, e, o, 0x7362;
-mov.b32 {p0, p1}, p;
-mov.b32 {q0, q1}, q;
-cvt.rn.f16x2.e4m3x2 h0, p0;
-cvt.rn.f16x2.e4m3x2 h1, p1;
-cvt.rn.f16x2.e4m3x2 h2, q0;
-cvt.rn.f16x2.e4m3x2 h3, q1;
-mul.rn.f16x2 acc, h0, $2;
-fma.rn.f16x2 acc, h1, $3, acc;
-fma.rn.f16x2 acc, h2, $4, acc;
-fma.rn.f16x2 acc, h3, $5, acc;
-mov.b32 {al, ah}, acc;
-cvt.f32.f16 fl, al;
-cvt.f32.f16 fh, ah;
-add.f32 $0, fl, fh;
-}""")
+mov.b32 {{e0, e1}}, e;
+mov.b32 {{o0, o1}}, o;
+"""
+_PAIR_FMA = "cvt.rn.f16x2.e4m3x2 h, {b};\n{op} acc, h, {x}{acc};\n"
+
+
+def _f16x2_products_ptx() -> str:
+    """Sixteen products of two words (Hopper's HFMA2: two a lane-wide instruction). Each lane
+    sums its eight products in float16 (at most 8 x 6 x 2^-6 x 65,504, finite); the two lanes are
+    added in float32."""
+    body = []
+    for word, xs in (("$1", (3, 4, 5, 6)), ("$2", (7, 8, 9, 10))):
+        body.append(_E4M3_BYTES.format(w=word))
+        for b, x in zip(("e0", "e1", "o0", "o1"), xs):
+            first = not body[1:]
+            body.append(_PAIR_FMA.format(b=b, op="mul.rn.f16x2" if first else "fma.rn.f16x2", x=f"${x}",
+                                         acc="" if first else ", acc"))
+    return ("{\n.reg .b32 t, e, o, h, acc;\n.reg .b16 e0, e1, o0, o1, al, ah;\n.reg .f32 fl, fh;\n" + "".join(body)
+            + "mov.b32 {al, ah}, acc;\ncvt.f32.f16 fl, al;\ncvt.f32.f16 fh, ah;\nadd.f32 $0, fl, fh;\n}")
+
+
+_F16X2_PRODUCTS = tl.constexpr(_f16x2_products_ptx())
+_F16X2_PRODUCTS_ARGS = tl.constexpr("=f" + ",r" * 10)  # a float32 out; two words and eight pairs in
 _F16X2_OF = tl.constexpr("cvt.rn.satfinite.f16x2.f32 $0, $2, $1;")
 F16_SCALE = tl.constexpr(64.0)  # `_f16x2_products` multiplies by e2m1 values times 2^-6
 
@@ -236,32 +236,68 @@ def _f16x2_words(lo, hi, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _f16_pair_fma(w, SHIFT: tl.constexpr, xq, lo, hi):
-    """The interpreter's form of one float16 product-add of `_F16X2_PRODUCTS`: elements
-    (SHIFT / 4, SHIFT / 4 + 1) of words w times the float16 pair xq, added to the lanes (lo, hi)
-    and rounded to float16."""
+def _x_halves(v, X_F16: tl.constexpr):
+    """Words of two 16-bit activations (bf16, or float16 where X_F16) -> (low, high) as float32."""
+    if X_F16:
+        return _f16x2_to_float(v)
+    else:
+        return (v << 16).to(tl.float32, bitcast=True), (v & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _x_pairs(xw, SLOTS_P2: tl.constexpr, NW: tl.constexpr, X_F16: tl.constexpr, EMULATE: tl.constexpr):
+    """x's words [SLOTS_P2, NW, 4] (two 16-bit elements each, eight a weight word) -> the four
+    float16 pairs a weight word meets in `_F16X2_PRODUCTS`, elements (0, 2), (4, 6), (1, 3),
+    (5, 7), each [SLOTS_P2, NW]."""
+    b0145, b2367 = tl.split(tl.reshape(xw, [SLOTS_P2, NW, 2, 2]))
+    b01, b45 = tl.split(b0145)
+    b23, b67 = tl.split(b2367)
+    x0, x1 = _x_halves(b01, X_F16)
+    x2, x3 = _x_halves(b23, X_F16)
+    x4, x5 = _x_halves(b45, X_F16)
+    x6, x7 = _x_halves(b67, X_F16)
+    return (_f16x2_words(x0, x2, EMULATE), _f16x2_words(x4, x6, EMULATE), _f16x2_words(x1, x3, EMULATE),
+            _f16x2_words(x5, x7, EMULATE))
+
+
+@triton.jit
+def _word_halves(v, SLOTS_P2: tl.constexpr, NW: tl.constexpr):
+    """[SLOTS_P2, NW] -> its even and odd columns, each [SLOTS_P2, NW / 2]."""
+    return tl.split(tl.reshape(v, [SLOTS_P2, NW // 2, 2]))
+
+
+@triton.jit
+def _f16_pair_fma(w, FIRST: tl.constexpr, xq, lo, hi):
+    """The interpreter's form of one float16 product-add of `_F16X2_PRODUCTS`: elements (FIRST,
+    FIRST + 2) of words w times the float16 pair xq, added to the lanes (lo, hi) and rounded to
+    float16."""
     x_lo, x_hi = _f16x2_to_float(xq)
-    lo = (_e2m1_to_float((w >> SHIFT) & 0xF) * 0.015625 * x_lo + lo).to(tl.float16).to(tl.float32)
-    hi = (_e2m1_to_float((w >> (SHIFT + 4)) & 0xF) * 0.015625 * x_hi + hi).to(tl.float16).to(tl.float32)
+    lo = (_e2m1_to_float((w >> (4 * FIRST)) & 0xF) * 0.015625 * x_lo + lo).to(tl.float16).to(tl.float32)
+    hi = (_e2m1_to_float((w >> (4 * FIRST + 8)) & 0xF) * 0.015625 * x_hi + hi).to(tl.float16).to(tl.float32)
     return lo, hi
 
 
 @triton.jit
-def _f16x2_products(w, x0, x1, x2, x3, EMULATE: tl.constexpr):
-    """sum_c e2m1(element c of int32 words w) * 2^-6 * x[c] as float32, x as four float16 pairs
-    x0..x3 (elements 0-1, 2-3, 4-5, 6-7): `_F16X2_PRODUCTS`, or under the interpreter the same
+def _f16x2_products(w0, w1, p0, p1, p2, p3, q0, q1, q2, q3, EMULATE: tl.constexpr):
+    """sum_c e2m1(element c of words w0 and w1) * 2^-6 * x[c] as float32, x as float16 pairs (p
+    for w0, q for w1, in `_x_pairs`' order): `_F16X2_PRODUCTS`, or under the interpreter the same
     sums in Triton's operations."""
     if EMULATE:
-        lo = tl.zeros(w.shape, tl.float32)
-        hi = tl.zeros(w.shape, tl.float32)
-        lo, hi = _f16_pair_fma(w, 0, x0, lo, hi)
-        lo, hi = _f16_pair_fma(w, 8, x1, lo, hi)
-        lo, hi = _f16_pair_fma(w, 16, x2, lo, hi)
-        lo, hi = _f16_pair_fma(w, 24, x3, lo, hi)
+        lo = tl.zeros(w0.shape, tl.float32)
+        hi = tl.zeros(w0.shape, tl.float32)
+        lo, hi = _f16_pair_fma(w0, 0, p0, lo, hi)
+        lo, hi = _f16_pair_fma(w0, 4, p1, lo, hi)
+        lo, hi = _f16_pair_fma(w0, 1, p2, lo, hi)
+        lo, hi = _f16_pair_fma(w0, 5, p3, lo, hi)
+        lo, hi = _f16_pair_fma(w1, 0, q0, lo, hi)
+        lo, hi = _f16_pair_fma(w1, 4, q1, lo, hi)
+        lo, hi = _f16_pair_fma(w1, 1, q2, lo, hi)
+        lo, hi = _f16_pair_fma(w1, 5, q3, lo, hi)
         return lo + hi
     else:
-        return tl.inline_asm_elementwise(_F16X2_PRODUCTS, "=f,r,r,r,r,r", [w, x0, x1, x2, x3], dtype=tl.float32,
-                                         is_pure=True, pack=1)
+        return tl.inline_asm_elementwise(_F16X2_PRODUCTS, _F16X2_PRODUCTS_ARGS,
+                                         [w0, w1, p0, p1, p2, p3, q0, q1, q2, q3], dtype=tl.float32, is_pure=True,
+                                         pack=1)
 
 
 @triton.jit
@@ -323,27 +359,33 @@ def _mxfp4_rows_dot(x_rows, w_rows, s_rows, w, slot_ok, n_ok, KW, SLOTS_P2: tl.c
     NB: tl.constexpr = BLOCK_K // 32
     rw = tl.arange(0, NW)
     rb = tl.arange(0, NB)
-    r8 = tl.arange(0, 8)
+    r4 = tl.arange(0, 4)
+    X_F16: tl.constexpr = x_rows.dtype.element_ty == tl.float16
+    x_words = x_rows.to(tl.pointer_type(tl.uint32))  # two activations a word (rows start on 16 bytes)
     w_ok = slot_ok[:, None, None] & n_ok[None, :, None]
     acc = tl.zeros([SLOTS_P2, BLOCK_N, NB], tl.float32)
     for kw0 in range(0, KW, NW):
         kw = tl.max_contiguous(tl.multiple_of(kw0 + rw, NW), NW)
         k_ok = kw < KW
         if F16:
-            xv = tl.load(x_rows[:, None, None] + kw[None, :, None] * 8 + r8[None, None, :],
-                         mask=slot_ok[:, None, None] & k_ok[None, :, None], other=0.0).to(tl.float32)
-            lo, hi = tl.split(tl.reshape(xv, [SLOTS_P2, NW, 4, 2]))
-            pairs = _f16x2_words(lo, hi, EMULATE)  # [SLOTS_P2, NW, 4]: elements (2c, 2c + 1) of each word
-            p02, p13 = tl.split(tl.reshape(pairs, [SLOTS_P2, NW, 2, 2]))
-            x0, x2 = tl.split(p02)
-            x1, x3 = tl.split(p13)
-            part = _f16x2_products(w, x0[:, None, :], x1[:, None, :], x2[:, None, :], x3[:, None, :], EMULATE)
+            xw = tl.load(x_words[:, None, None] + kw[None, :, None] * 4 + r4[None, None, :],
+                         mask=slot_ok[:, None, None] & k_ok[None, :, None], other=0)
+            p0, p1, p2, p3 = _x_pairs(xw, SLOTS_P2, NW, X_F16, EMULATE)
+            p0, q0 = _word_halves(p0, SLOTS_P2, NW)
+            p1, q1 = _word_halves(p1, SLOTS_P2, NW)
+            p2, q2 = _word_halves(p2, SLOTS_P2, NW)
+            p3, q3 = _word_halves(p3, SLOTS_P2, NW)
+            w0, w1 = tl.split(tl.reshape(w, [SLOTS_P2, BLOCK_N, NW // 2, 2]))
+            part = _f16x2_products(w0, w1, p0[:, None, :], p1[:, None, :], p2[:, None, :], p3[:, None, :],
+                                   q0[:, None, :], q1[:, None, :], q2[:, None, :], q3[:, None, :], EMULATE)
+            part = tl.reshape(part, [SLOTS_P2, BLOCK_N, NB, 2])  # two words a product call, 4 a block
         else:
-            part = _word_dot(w, x_rows, kw, slot_ok[:, None, None] & k_ok[None, None, :])
+            part = tl.reshape(_word_dot(w, x_rows, kw, slot_ok[:, None, None] & k_ok[None, None, :]),
+                              [SLOTS_P2, BLOCK_N, NB, 4])
         kb = kw0 // 4 + rb
         scale = _e8m0_to_float(tl.load(s_rows[:, :, None] + kb[None, None, :],
                                        mask=w_ok & (kb < KW // 4)[None, None, :], other=127))
-        acc += tl.sum(tl.reshape(part, [SLOTS_P2, BLOCK_N, NB, 4]), 3) * scale  # a scale a block of 4 words
+        acc += tl.sum(part, 3) * scale
         w = _weight_words(w_rows, w_ok, kw0 + NW, KW, NW)
     return tl.sum(acc, 2) * (F16_SCALE if F16 else 16384.0)  # (2^14: `_word_dot`)
 
@@ -420,26 +462,33 @@ def mxfp4_config(num_pairs: int, num_experts: int, itemsize: int = 2) -> dict:
 
 
 # Up to this many tokens the experts run as GEMVs (`_experts_gemv_mxfp4`). gpt-oss-120b's experts
-# on one H200 (`kernels.bench.moe_mxfp4`, CUDA graphs, cold L2): 33.3 / 53.5 / 86.6 / 156.3 us at
-# 1 / 2 / 4 / 8 tokens against 75.4 / 105.7 / 159.4 / 277.8 for the grouped GEMMs with `tl.dot_scaled`.
+# on one H200 (`kernels.bench.moe_mxfp4`, CUDA graphs, cold L2): 31.3 / 51.0 / 82.1 / 144.5 us at
+# 1 / 2 / 4 / 8 tokens against 75.0 / 105.5 / 159.0 / 278.4 for the grouped GEMMs with `tl.dot_scaled`.
 GEMV_MAX_TOKENS = 8
 
 
 def mxfp4_gemv_config(k: int, slots: int, f16: bool = True, rows: int = 1) -> dict:
     """GEMV tiles of a weight of K columns whose launch sums `slots` pairs into each of its `rows`
-    output rows, with float16 products (`f16`) or float32 ones. From the H200 sweeps
-    (gpt-oss-120b, `python -m kernels.bench.moe_mxfp4 --gemv-sweep 1 8`, three calls), float16
-    products: the gate/up launch on 8 weight rows x 1,024 columns a 1-warp program (one token
-    22.0-22.7 us, 4 rows 21.9-22.7; eight tokens 103.9 against 114.9); the down launch, which
-    reads a token's 4 pairs' tiles in one step, on 8 rows x 1,024 on 8 warps for one token (15.4-
-    15.8 us, 4 warps 15.4-16.5) and 4 warps for more (eight tokens 60.8 against 69.2). Float32
-    products: 8 x 1,024 on 4 warps for gate/up (27.4 us) and 8 for down (21.0). Reading each
-    step's tile before the step before is multiplied was slower in every case."""
+    output rows, with float16 products (`f16`) or float32 ones. From the H200 sweeps (gpt-oss-120b,
+    `python -m kernels.bench.moe_mxfp4 --gemv-sweep 1 8`, each launch alone in a CUDA graph; the
+    float16 products as now, two words a product call), us:
+    - gate/up, one token (4 pairs): 16 weight rows x 1,024 columns on 4 warps, 20.6-21.2 against
+      22.1-22.5 for 8 x 1,024 on one warp, and in gpt-oss-120b's batch-1 decode step 2.136-2.139
+      ms against 2.199-2.203 (three rounds of 50 steps each, one call); more pairs: 8 x 1,024 on
+      one warp (eight tokens 91.6-91.8 against 93.1-93.3 for the 16-row tiles);
+    - down, which reads a token's k pairs' tiles in one step: 8 rows x 1,024 on 8 warps for one
+      token (14.5-14.6, 4 warps 15.3-15.4), 4 warps for more (eight tokens 56.7-56.8 against 62.5);
+    - a K loop pipelined through shared memory (`tl.range(num_stages=2 or 3)`) did not help one
+      token and gained up to 4% at eight; reading each step's tile before the step before is
+      multiplied was slower.
+    Float32 products: 8 x 1,024 on 4 warps for gate/up (27.4) and 8 for down (21.0)."""
     block_k = min(1024, max(MXFP4_BLOCK, triton.next_power_of_2(k)))
     if not f16:
         return {"BLOCK_N": 8, "BLOCK_K": block_k, "num_warps": 8 if slots > 1 else 4}
     if slots > 1:
         return {"BLOCK_N": 8, "BLOCK_K": block_k, "num_warps": 8 if rows == 1 else 4}
+    if rows <= 4:
+        return {"BLOCK_N": 16, "BLOCK_K": block_k, "num_warps": 4}
     return {"BLOCK_N": 8, "BLOCK_K": block_k, "num_warps": 1}
 
 
@@ -462,6 +511,8 @@ def _gemv_mxfp4(a, w: MXFP4Weight, words: torch.Tensor, b, ids, out, routed, slo
     tile, before its PDL wait)."""
     _, n, k = w.shape
     f16 = a.element_size() == 2
+    if f16 and (a.data_ptr() % 16 or a.stride(0) % 8):
+        a = a.clone()  # (16-bit activations are read as 16-byte vectors of words)
     cfg = config or mxfp4_gemv_config(k, slots, f16, out.shape[0])
     if cfg["BLOCK_K"] % MXFP4_BLOCK or (act is not None and cfg["BLOCK_N"] % 2):
         raise ValueError(f"GEMV tiles need BLOCK_K a multiple of {MXFP4_BLOCK} (and an even BLOCK_N with the "

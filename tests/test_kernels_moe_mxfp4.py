@@ -206,6 +206,39 @@ def test_gemv_float16_products_clamp_activations_beyond_float16():
             assert torch.isfinite(out[r]).all() and rel_err(out[r], want) < (1e-2 if limit else 1e-5), (dtype, r)
 
 
+def test_gemv_float16_sums_stay_finite_at_the_largest_products():
+    """Each float16 lane sums eight products before float32 takes over: at the largest weight
+    (6, scale 2^0) and activation (65,504 after the clamp) a product is 6,141 (times 2^-6), and
+    eight stay below 65,504 where sixteen would overflow to inf."""
+    e, n, kdim = 2, 16, 64
+    w = MXFP4Weight(torch.full((e, n, kdim // 2), 0x77, dtype=torch.uint8, device=DEVICE),
+                    torch.full((e, n, kdim // 32), 127, dtype=torch.uint8, device=DEVICE))
+    ids = torch.tensor([1], dtype=torch.int32, device=DEVICE)
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.full((1, kdim), 1.0e5 if dtype == torch.bfloat16 else 65504.0, device=DEVICE, dtype=dtype)
+        out = torch.empty(1, n, device=DEVICE, dtype=torch.float32)  # (the sum is past float16)
+        _gemv_mxfp4(x, w, _words(w), None, ids, out, None, 1, 1)
+        want = torch.full((n,), 6.0 * 65504.0 * kdim, dtype=torch.float64, device=DEVICE)
+        assert torch.isfinite(out).all() and rel_err(out[0], want) < 1e-2, dtype
+
+
+def test_gemv_reads_activation_rows_off_word_boundaries():
+    """16-bit activations are read as 16-byte vectors of words: rows that do not start on 16-byte
+    boundaries (a view one element into wider rows) are copied first, and give the same result."""
+    t, e, k, kdim, n = 2, 4, 2, 64, 16
+    g = torch.Generator().manual_seed(12)
+    wide = torch.randn(t * k, kdim + 8, generator=g).to(DEVICE, torch.bfloat16)
+    w = mxfp4_weight(e, n, kdim, seed=6)
+    weights, ids = routing(t, e, k, seed=7)
+    flat, routed = ids.flatten().contiguous(), weights.reshape(-1).contiguous().bfloat16()
+    got, want = (torch.empty(t, n, device=DEVICE, dtype=torch.float32) for _ in range(2))
+    view = wide[:, 1:1 + kdim]
+    assert view.data_ptr() % 16
+    _gemv_mxfp4(view, w, _words(w), None, flat, got, routed, k, 1)
+    _gemv_mxfp4(view.contiguous(), w, _words(w), None, flat, want, routed, k, 1)
+    assert torch.equal(got, want)
+
+
 def test_blocks_off_word_boundaries_take_the_grouped_path():
     """Blocks whose rows do not start on 16-byte boundaries (a view into wider rows) cannot be read
     as words: the op takes the grouped GEMMs instead, with the same result."""

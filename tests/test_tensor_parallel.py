@@ -111,7 +111,8 @@ def test_mamba_configs_that_cannot_be_sharded_are_refused():
 def test_only_a_forward_that_reduces_them_defers_the_all_reduces():
     """At TP > 1 a layer defers o_proj's (and Gemma's down_proj's) all-reduce only when its own
     forward reduces the output (fused with the norms after it); a subclass with a forward of its
-    own keeps the plain all-reduce, so nothing is left unreduced."""
+    own keeps the plain all-reduce, so nothing is left unreduced. A bias does not stop it: it
+    joins the first rank's partial sum (gpt-oss's, in `test_tp2_matches_transformers`)."""
     from transformers import Gemma2Config, LlamaConfig
 
     from distengine.model_config import FULL
@@ -127,6 +128,7 @@ def test_only_a_forward_that_reduces_them_defers_the_all_reduces():
             return super().forward(positions, x, residual, meta)
 
     assert LlamaDecoderLayer(LlamaConfig(**small), *args).self_attn.o_proj.deferred
+    assert LlamaDecoderLayer(LlamaConfig(**small, attention_bias=True), *args).self_attn.o_proj.deferred
     assert not OwnForward(LlamaConfig(**small), *args).self_attn.o_proj.deferred
     assert not LlamaDecoderLayer(LlamaConfig(**small), 0, FULL, TPGroup(), torch.float32, torch.device("cpu"),
                                  None).self_attn.o_proj.deferred  # one rank: nothing to reduce

@@ -320,7 +320,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(_ParallelLinear):
     """y = x W^T with W split by input columns: partial sums all-reduced across ranks (the one
-    collective after attention and after the MLP); the bias is added once, after the sum."""
+    collective after attention and after the MLP). The bias joins the first rank's partial sum,
+    inside its product (before the one rounding, as transformers' `F.linear`), so the sum holds
+    it once and no launch adds it; the all-reduce can then be deferred as without one."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup, dtype: torch.dtype,
                  device: torch.device, name: str = "", reduce: bool = True) -> None:
@@ -356,8 +358,6 @@ class RowParallelLinear(_ParallelLinear):
     def defer_reduce(self) -> None:
         """The caller all-reduces the output itself, at once (fused with what follows): the
         product is still written where the all-reduce reads it."""
-        if self.bias is not None:
-            raise ValueError(f"{self.name}: a bias is added after the all-reduce; it cannot be deferred")
         self.reduce, self.deferred = False, True
 
     deferred = False
@@ -370,7 +370,5 @@ class RowParallelLinear(_ParallelLinear):
         out = None
         if (self.reduce or self.deferred) and x.dim() == 2:
             out = self.tp.reduce_buffer(x.shape[0], self.out_features, x.dtype, x.device)
-        y = self._matmul(x, None, out=out, norm=norm, gate=gate, act=act)
-        if self.reduce:
-            y = self.tp.all_reduce(y)
-        return y + self.bias if self.bias is not None else y
+        y = self._matmul(x, self.bias if self.tp.rank == 0 else None, out=out, norm=norm, gate=gate, act=act)
+        return self.tp.all_reduce(y) if self.reduce else y

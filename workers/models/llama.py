@@ -139,7 +139,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device, gemma=self.gemma_norm)
         self.tp = tp
         # The attention's all-reduce is fused with the residual add and the norm after it.
-        if tp.world_size > 1 and self.self_attn.o_proj.bias is None and self.forward_declares("reduces_attention"):
+        if tp.world_size > 1 and self.forward_declares("reduces_attention"):
             self.self_attn.o_proj.defer_reduce()
 
     # What this class's own forward all-reduces itself (a deferred output nobody reduces would be

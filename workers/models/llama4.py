@@ -143,7 +143,7 @@ class Llama4DecoderLayer(LlamaDecoderLayer):
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype, device)
         self.tp = tp
-        if tp.world_size > 1 and self.self_attn.o_proj.bias is None and self.forward_declares("reduces_attention"):
+        if tp.world_size > 1 and self.forward_declares("reduces_attention"):
             self.self_attn.o_proj.defer_reduce()
 
     reduces_attention = True
