@@ -49,7 +49,7 @@ class Gemma2DecoderLayer(LlamaDecoderLayer):
         eps = config.rms_norm_eps
         self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, dtype, device, gemma=True)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, dtype, device, gemma=True)
-        if tp.world_size > 1 and self.mlp.down_proj.bias is None and self.forward_declares("reduces_mlp"):
+        if tp.world_size > 1 and self.forward_declares("reduces_mlp"):
             self.mlp.down_proj.defer_reduce()  # reduced with the norms after it
 
     reduces_attention = reduces_mlp = True  # (see LlamaDecoderLayer.forward_declares)
