@@ -25,9 +25,10 @@ in the down launch: at one token a 16-row tile of the tensor-core path is 15 row
 Hopper has no FP4 products, so the instructions that turn 4-bit weights into numbers bound every
 way. The GEMVs read the weights as int32 words of eight elements. With 16-bit activations
 (`_f16x2_products`, inline PTX) a word's eight elements become four float16 pairs through e4m3
-(two per conversion instruction) and meet x, rounded to float16 (beyond +-65,504 clamped), in
-four paired product-adds, float16 sums of four products that are added in float32: 3.7-3.9
-instructions a weight, against 6.2-6.7 in float32, which 4-byte activations keep (`_word_dot`).
+(two per conversion instruction) and meet x, rounded to float16 (beyond +-65,504 clamped) and
+paired in the order the bytes decode, in paired product-adds: each float16 lane sums the eight
+products of two words, then float32 takes over. That is 3.0-3.1 instructions a weight, against
+6.2-6.7 in float32, which 4-byte activations keep (`_word_dot`).
 Under Triton's interpreter the same sums run in its operations. `fused_experts_mxfp4_ref`
 dequantizes the experts a batch chose, deinterleaves their gate/up rows and runs
 `fused_experts_ref` with `swiglu_oai_and_mul_ref` (the engine's path on CPU and the tests'
