@@ -19,15 +19,15 @@ dequantize, a constexpr of the kernel:
 own upcast and a bf16 product on GPUs without FP4 tensor cores, Hopper's included) and "decode"
 (the kernel's own: the nibbles decoded with integer ops into float32 bits, times the scale, cast to
 the activations' dtype, then `tl.dot`; any dtype, fp32 included; `DISTENGINE_MXFP4_DOT=decode`
-picks it for bf16 too). A few tokens (up to `GEMV_MAX_TOKENS`) take neither: `_experts_gemv_mxfp4`
-runs each (token, expert) pair as GEMVs on the CUDA cores, with no alignment and the sum over k
-in the down launch: at one token a 16-row tile of the tensor-core path is 15 rows of padding, and
-Hopper has no FP4 products, so the instructions that turn 4-bit weights into numbers bound every
-way. The GEMVs read the weights as int32 words of eight elements. With 16-bit activations
-(`_f16x2_products`, inline PTX) a word's eight elements become four float16 pairs through e4m3
-(two per conversion instruction) and meet x, rounded to float16 (beyond +-65,504 clamped) and
-paired in the order the bytes decode, in paired product-adds: each float16 lane sums the eight
-products of two words, then float32 takes over. That is 3.0-3.1 instructions a weight, against
+picks it for bf16 too). Up to `GEMV_MAX_TOKENS` tokens take neither: `_experts_gemv_mxfp4` runs
+each (token, expert) pair as GEMVs on the CUDA cores, with no alignment and the sum over k in the
+down launch: at one token a 16-row tile of the tensor-core path is 15 rows of padding, up to a few
+dozen tokens most experts serve one or two pairs, and Hopper has no FP4 products, so the
+instructions that turn 4-bit weights into numbers bound every way. The GEMVs read the weights as
+int32 words of eight elements. With 16-bit activations (`_f16x2_products`, inline PTX) a word's
+eight elements become four float16 pairs through e4m3 (two per conversion instruction) and meet x,
+rounded to float16 (beyond +-65,504 clamped) and paired in the order the bytes decode, in paired
+product-adds: each float16 lane sums the eight products of two words, then float32 takes over. That is 3.0-3.1 instructions a weight, against
 6.2-6.7 in float32, which 4-byte activations keep (`_word_dot`).
 Under Triton's interpreter the same sums run in its operations. `fused_experts_mxfp4_ref`
 dequantizes the experts a batch chose, deinterleaves their gate/up rows and runs
@@ -462,23 +462,32 @@ def mxfp4_config(num_pairs: int, num_experts: int, itemsize: int = 2) -> dict:
     return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}
 
 
-# Up to this many tokens the experts run as GEMVs (`_experts_gemv_mxfp4`). gpt-oss-120b's experts
-# on one H200 (`kernels.bench.moe_mxfp4`, CUDA graphs, cold L2): 31.3 / 51.0 / 82.1 / 144.5 us at
-# 1 / 2 / 4 / 8 tokens against 75.0 / 105.5 / 159.0 / 278.4 for the grouped GEMMs with `tl.dot_scaled`.
-GEMV_MAX_TOKENS = 8
+# Up to this many tokens the experts run as GEMVs (`_experts_gemv_mxfp4`): up to a few dozen tokens
+# most of the experts a step reads serve one or two pairs, and the GEMVs' float16 products cost
+# less than the grouped GEMMs' upcast of whole tiles. gpt-oss-120b's experts on one H200, CUDA
+# graphs, cold L2, each point its own routing, GEMVs against `tl.dot_scaled`'s grouped GEMMs, us
+# (`kernels.bench.moe_mxfp4`, the GEMVs forced past the limit): 1 / 8 / 16 / 32 tokens 31.5 /
+# 138.1 / 257.8 / 491.5 against 75.3 / 239.1 / 431.6 / 624.5; 40 / 48 / 56 / 64 tokens 609.5 /
+# 722.1 / 852.5 / 1,135.9 against 701.6 / 786.3 / 789.8 / 885.6. In the model's decode step (50
+# steps, three rounds, against the grouped GEMMs in the same call) 24 tokens 16.0-16.2 ms against
+# 21.9-22.0, 40 tokens 25.1-25.5 against 26.9-27.1, but 48 tokens 29.4-30.1 against 29.2-29.3.
+GEMV_MAX_TOKENS = 40
 
 
 def mxfp4_gemv_config(k: int, slots: int, f16: bool = True, rows: int = 1) -> dict:
     """GEMV tiles of a weight of K columns whose launch sums `slots` pairs into each of its `rows`
     output rows, with float16 products (`f16`) or float32 ones. From the H200 sweeps (gpt-oss-120b,
-    `python -m kernels.bench.moe_mxfp4 --gemv-sweep 1 8`, each launch alone in a CUDA graph; the
-    float16 products as now, two words a product call), us:
+    `python -m kernels.bench.moe_mxfp4 --gemv-sweep 1 8` and the same sweep at 12 to 40 tokens,
+    each launch alone in a CUDA graph; the float16 products as now, two words a product call), us:
     - gate/up, one token (4 pairs): 16 weight rows x 1,024 columns on 4 warps, 20.6-21.2 against
       22.1-22.5 for 8 x 1,024 on one warp, and in gpt-oss-120b's batch-1 decode step 2.136-2.139
-      ms against 2.199-2.203 (three rounds of 50 steps each, one call); more pairs: 8 x 1,024 on
-      one warp (eight tokens 91.6-91.8 against 93.1-93.3 for the 16-row tiles);
+      ms against 2.199-2.203 (three rounds of 50 steps each, one call); up to 31 pairs 8 x 1,024
+      on one warp (eight tokens 91.6-91.8 against 93.1-93.3 for 16 rows on 4 warps); from 32 pairs
+      16 rows on one warp (8 / 12 / 16 / 24 / 32 / 40 tokens 90.7 / 127.8 / 166.6 / 243.7 / 318.2 /
+      397.6 against 92.3 / 132.0 / 172.3 / 266.2 / 342.7 / 446.3 for 8 rows);
     - down, which reads a token's k pairs' tiles in one step: 8 rows x 1,024 on 8 warps for one
-      token (14.5-14.6, 4 warps 15.3-15.4), 4 warps for more (eight tokens 56.7-56.8 against 62.5);
+      token (14.5-14.6, 4 warps 15.3-15.4), 4 warps for more (eight tokens 56.7-56.8 against 62.5;
+      the fastest of the sweep or within 0.2% of it from 8 to 40 tokens);
     - a K loop pipelined through shared memory (`tl.range(num_stages=2 or 3)`) did not help one
       token and gained up to 4% at eight; reading each step's tile before the step before is
       multiplied was slower.
@@ -490,7 +499,9 @@ def mxfp4_gemv_config(k: int, slots: int, f16: bool = True, rows: int = 1) -> di
         return {"BLOCK_N": 8, "BLOCK_K": block_k, "num_warps": 8 if rows == 1 else 4}
     if rows <= 4:
         return {"BLOCK_N": 16, "BLOCK_K": block_k, "num_warps": 4}
-    return {"BLOCK_N": 8, "BLOCK_K": block_k, "num_warps": 1}
+    if rows < 32:
+        return {"BLOCK_N": 8, "BLOCK_K": block_k, "num_warps": 1}
+    return {"BLOCK_N": 16, "BLOCK_K": block_k, "num_warps": 1}
 
 
 def _words(w: MXFP4Weight) -> torch.Tensor | None:

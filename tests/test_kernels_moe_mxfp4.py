@@ -68,7 +68,7 @@ def test_dequantize_is_transformers_and_the_e2m1_formula():
     (1, 8, 2, 64, 32, SMALL),  # a decode step: every tile mostly padding
     (7, 6, 3, 96, 64, SMALL),  # H = 96: a partial K step (BLOCK_K 64) and masked N columns
     (37, 4, 2, 64, 96, LARGE),  # 64-row tiles, experts with many rows
-    (40, 3, 2, 64, 32, None),  # the default tile rule (64-row tiles: 27 rows an expert)
+    (GEMV_MAX_TOKENS + 8, 3, 2, 64, 32, None),  # past the GEMVs, the default tile rule (64-row tiles)
 ])
 def test_fused_experts_mxfp4_against_a_float64_loop(dtype, scaled_dot, t, e, k, h, inter, cfg):
     g = torch.Generator().manual_seed(t + e)
@@ -126,8 +126,8 @@ def test_grouped_gemm_writes_each_pair_row_once_and_nothing_else(scaled_dot, fus
     (torch.float32, 1, 8, 2, 64, 32),
     (torch.bfloat16, 3, 6, 3, 96, 64),  # H = 96: a partial K step (BLOCK_K 128)
     (torch.float32, 3, 6, 3, 96, 64),
-    (torch.bfloat16, GEMV_MAX_TOKENS, 6, 4, 64, 32),  # the most tokens the GEMVs take: experts shared
-], ids=["bf16-decode", "fp32-decode", "bf16-partial-k", "fp32-partial-k", "bf16-most-tokens"])
+    (torch.bfloat16, 8, 6, 4, 64, 32),  # experts shared between tokens
+], ids=["bf16-decode", "fp32-decode", "bf16-partial-k", "fp32-partial-k", "bf16-shared-experts"])
 def test_few_tokens_run_as_gemvs_against_a_float64_loop(dtype, t, e, k, h, inter, monkeypatch):
     """Up to GEMV_MAX_TOKENS tokens the op takes the GEMV path (every byte value, both nibbles,
     through the word decode), against the float64 loop; NaN scales of an expert no token chose
@@ -145,6 +145,22 @@ def test_few_tokens_run_as_gemvs_against_a_float64_loop(dtype, t, e, k, h, inter
     got = fused_experts_mxfp4(x, w13, w2, weights.to(dtype), ids, ACT, b13, b2)
     assert taken and got.shape == (t, h) and got.dtype == dtype
     assert rel_err(got, oracle(x, w13, w2, weights, ids, b13, b2)) < TOL[dtype]
+
+
+def test_gemvs_up_to_their_most_tokens_then_the_grouped_gemms(monkeypatch):
+    """Without a `config`, GEMV_MAX_TOKENS tokens take the GEMVs and one more the grouped GEMMs
+    (both paths recorded, not run)."""
+    taken = []
+    monkeypatch.setattr(mxfp4, "_experts_gemv_mxfp4", lambda x, *a: taken.append("gemv") or torch.zeros_like(x))
+    monkeypatch.setattr(mxfp4, "_grouped_gemm_mxfp4", lambda *a, **kw: taken.append("grouped"))
+    e, k, h, inter = 4, 2, 64, 32
+    w13, w2 = mxfp4_weight(e, 2 * inter, h, seed=5), mxfp4_weight(e, h, inter, seed=6)
+    for t in (GEMV_MAX_TOKENS, GEMV_MAX_TOKENS + 1):
+        weights, ids = routing(t, e, k, seed=t)
+        out = fused_experts_mxfp4(torch.zeros(t, h, device=DEVICE, dtype=torch.bfloat16), w13, w2,
+                                  weights.bfloat16(), ids, ACT)
+        assert out.shape == (t, h)
+    assert taken == ["gemv", "grouped", "grouped"]
 
 
 @pytest.mark.parametrize("cfg", [None, {"BLOCK_N": 8, "BLOCK_K": 32, "num_warps": 2},
@@ -296,9 +312,12 @@ def test_gpt_oss_widths_against_the_bf16_op(scaled_dot):
     dense13, dense2 = (dequantize_mxfp4(w.blocks, w.scales, torch.bfloat16) for w in (w13, w2))
     halves = lambda t: torch.cat([t[:, 0::2], t[:, 1::2]], 1).contiguous()  # noqa: E731 (the bf16 op's layout)
     act = lambda h: swiglu_oai_and_mul(h, ALPHA, LIMIT)  # noqa: E731
-    for t in (1, GEMV_MAX_TOKENS, *tokens_per_tile_band(e, k)):
+    # the GEMVs at their fewest and most tokens, then each band's tiles (forced where GEMVs would run)
+    cases = [(1, None), (GEMV_MAX_TOKENS, None), *((t, mxfp4_config(t * k, e)) for t in tokens_per_tile_band(e, k))]
+    for t, cfg in cases:
         x = torch.randn(t, h, generator=g).to(DEVICE, torch.bfloat16)
         weights, ids = routing(t, e, k, seed=t)
         want = fused_experts(x, halves(dense13), dense2, weights.bfloat16(), ids, act, halves(b13), b2)
-        got = fused_experts_mxfp4(x, w13, w2, weights.bfloat16(), ids, ACT, b13, b2, scaled_dot=scaled_dot)
-        assert rel_err(got, want.double()) < 1e-2, t
+        got = fused_experts_mxfp4(x, w13, w2, weights.bfloat16(), ids, ACT, b13, b2, config=cfg,
+                                  scaled_dot=scaled_dot)
+        assert rel_err(got, want.double()) < 1e-2, (t, cfg)
