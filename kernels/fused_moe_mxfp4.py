@@ -19,12 +19,15 @@ dequantize, a constexpr of the kernel:
 own upcast and a bf16 product on GPUs without FP4 tensor cores, Hopper's included) and "decode"
 (the kernel's own: the nibbles decoded with integer ops into float32 bits, times the scale, cast to
 the activations' dtype, then `tl.dot`; any dtype, fp32 included; `DISTENGINE_MXFP4_DOT=decode`
-picks it for bf16 too). Up to `GEMV_MAX_TOKENS` tokens take neither: `_experts_gemv_mxfp4` runs
-each (token, expert) pair as GEMVs on the CUDA cores, with no alignment and the sum over k in the
-down launch: at one token a 16-row tile of the tensor-core path is 15 rows of padding, up to a few
-dozen tokens most experts serve one or two pairs, and Hopper has no FP4 products, so the
-instructions that turn 4-bit weights into numbers bound every way. The GEMVs read the weights as
-int32 words of eight elements. With 16-bit activations (`_f16x2_products`, inline PTX) a word's
+picks it for bf16 too). Small batches take neither. Up to `GEMV_MAX_TOKENS` tokens
+`_experts_gemv_mxfp4` runs each (token, expert) pair as GEMVs on the CUDA cores, with no alignment
+and the sum over k in the down launch: at one token a 16-row tile of the tensor-core path is 15
+rows of padding. Beyond, up to TILE_GEMV_MAX_ROWS pairs an expert, the tile GEMVs
+(`_moe_mxfp4_tile_gemv_kernel`) take the grouped GEMMs' row tiles of 2 pairs and decode each
+weight once for both: most experts serve one to three pairs there, and Hopper has no FP4
+products, so the instructions that turn 4-bit weights into numbers bound every way, and upcasting
+whole 16-row tiles for the tensor cores costs more than the products on the CUDA cores. Both read
+the weights as int32 words of eight elements. With 16-bit activations (`_f16x2_products`, inline PTX) a word's
 eight elements become four float16 pairs through e4m3 (two per conversion instruction) and meet x,
 rounded to float16 (beyond +-65,504 clamped) and paired in the order the bytes decode, in paired
 product-adds: each float16 lane sums the eight products of two words, then float32 takes over. That is 3.0-3.1 instructions a weight, against
@@ -48,8 +51,9 @@ from kernels.fused_moe import ROW_BANDS, RowTiles, _sum_over_k, fused_experts_re
 from kernels.paged_attention import _interpreter_bf16
 from kernels.pdl import pdl_args, pdl_wait
 
-__all__ = ["FP4_VALUES", "GEMV_MAX_TOKENS", "MXFP4_BLOCK", "MXFP4Weight", "SwigluOAI", "dequantize_mxfp4",
-           "fused_experts_mxfp4", "fused_experts_mxfp4_ref", "mxfp4_config", "mxfp4_gemv_config"]
+__all__ = ["FP4_VALUES", "GEMV_MAX_TOKENS", "MXFP4_BLOCK", "MXFP4Weight", "SwigluOAI", "TILE_GEMV_MAX_ROWS",
+           "dequantize_mxfp4", "fused_experts_mxfp4", "fused_experts_mxfp4_ref", "mxfp4_config",
+           "mxfp4_gemv_config", "mxfp4_variant_tokens"]
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 MXFP4_BLOCK = 32  # elements along K that share one scale
@@ -218,6 +222,16 @@ _F16X2_PRODUCTS = tl.constexpr(_f16x2_products_ptx())
 _F16X2_PRODUCTS_ARGS = tl.constexpr("=f" + ",r" * 10)  # a float32 out; two words and eight pairs in
 _F16X2_OF = tl.constexpr("cvt.rn.satfinite.f16x2.f32 $0, $2, $1;")
 F16_SCALE = tl.constexpr(64.0)  # `_f16x2_products` multiplies by e2m1 values times 2^-6
+
+# The same products with the decode apart, for tiles whose weights meet several activation rows:
+# a word's four float16 pairs (`_E4M3_BYTES` then four conversions), decoded once a tile, and the
+# sixteen products of two decoded words with one row's pairs.
+_F16X2_DECODE = tl.constexpr("{\n.reg .b32 t, e, o;\n.reg .b16 e0, e1, o0, o1;\n" + _E4M3_BYTES.format(w="$4")
+                             + "".join(f"cvt.rn.f16x2.e4m3x2 ${i}, {b};\n" for i, b in enumerate(("e0", "e1", "o0", "o1")))
+                             + "}")
+_F16X2_DOTS = tl.constexpr("{\n.reg .b32 acc;\n.reg .b16 al, ah;\n.reg .f32 fl, fh;\nmul.rn.f16x2 acc, $1, $9;\n"
+                           + "".join(f"fma.rn.f16x2 acc, ${i}, ${i + 8}, acc;\n" for i in range(2, 9))
+                           + "mov.b32 {al, ah}, acc;\ncvt.f32.f16 fl, al;\ncvt.f32.f16 fh, ah;\nadd.f32 $0, fl, fh;\n}")
 
 
 @triton.jit
@@ -438,13 +452,154 @@ def _moe_mxfp4_gemv_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, ids_ptr, N
         tl.store(out_row + rn, y.to(c_ptr.dtype.element_ty), mask=n_ok)
 
 
-def mxfp4_config(num_pairs: int, num_experts: int, itemsize: int = 2) -> dict:
-    """Tiles by the rows each expert gets (pairs / E), in `moe_config`'s bands: a decode step's
-    tiles are mostly padding rows, so 16-row tiles. Prefill steps (over 64 rows an expert) 128 x
-    128 tiles: 8 warps dequantize a 128 x 128 weight tile (the upcast runs once per tile of rows,
-    so larger row tiles amortise it). 4-byte activations (fp32 tests) keep 64 x 64 x 64 tiles past
-    24 rows, whose stages and decoded fp32 weight tile fit in shared memory."""
+@triton.jit
+def _f16x2_decode(w, EMULATE: tl.constexpr):
+    """int32 words of eight e2m1 elements -> their four float16 pairs (elements (0, 2), (4, 6), (1,
+    3), (5, 7), each times 2^-6, as `_x_pairs` pairs x): `_F16X2_DECODE`, or the interpreter's
+    form of it."""
+    if EMULATE:
+        return (_f16x2_words(_e2m1_to_float(w & 0xF) * 0.015625, _e2m1_to_float((w >> 8) & 0xF) * 0.015625, True),
+                _f16x2_words(_e2m1_to_float((w >> 16) & 0xF) * 0.015625, _e2m1_to_float((w >> 24) & 0xF) * 0.015625,
+                             True),
+                _f16x2_words(_e2m1_to_float((w >> 4) & 0xF) * 0.015625, _e2m1_to_float((w >> 12) & 0xF) * 0.015625,
+                             True),
+                _f16x2_words(_e2m1_to_float((w >> 20) & 0xF) * 0.015625, _e2m1_to_float((w >> 28) & 0xF) * 0.015625,
+                             True))
+    else:
+        return tl.inline_asm_elementwise(_F16X2_DECODE, "=r,=r,=r,=r,r", [w], dtype=(tl.uint32,) * 4, is_pure=True,
+                                         pack=1)
+
+
+@triton.jit
+def _f16_pairs_fma(h, xq, lo, hi):
+    """The interpreter's form of one float16 product-add of `_F16X2_DOTS`: the float16 pairs h
+    times xq, added to the lanes (lo, hi) and rounded to float16."""
+    h_lo, h_hi = _f16x2_to_float(h)
+    x_lo, x_hi = _f16x2_to_float(xq)
+    return (h_lo * x_lo + lo).to(tl.float16).to(tl.float32), (h_hi * x_hi + hi).to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def _f16x2_dots(h0, h1, h2, h3, g0, g1, g2, g3, p0, p1, p2, p3, q0, q1, q2, q3, EMULATE: tl.constexpr):
+    """`_f16x2_products` of two decoded words (h, g: `_f16x2_decode`) and a row's pairs (p, q)."""
+    if EMULATE:
+        lo = tl.zeros(p0.shape, tl.float32) + tl.zeros(h0.shape, tl.float32)
+        hi = lo
+        lo, hi = _f16_pairs_fma(h0, p0, lo, hi)
+        lo, hi = _f16_pairs_fma(h1, p1, lo, hi)
+        lo, hi = _f16_pairs_fma(h2, p2, lo, hi)
+        lo, hi = _f16_pairs_fma(h3, p3, lo, hi)
+        lo, hi = _f16_pairs_fma(g0, q0, lo, hi)
+        lo, hi = _f16_pairs_fma(g1, q1, lo, hi)
+        lo, hi = _f16_pairs_fma(g2, q2, lo, hi)
+        lo, hi = _f16_pairs_fma(g3, q3, lo, hi)
+        return lo + hi
+    else:
+        return tl.inline_asm_elementwise(_F16X2_DOTS, "=f" + ",r" * 16,
+                                         [h0, h1, h2, h3, g0, g1, g2, g3, p0, p1, p2, p3, q0, q1, q2, q3],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _mxfp4_tile_dot(x_rows, w_rows, s_rows, row_ok, n_ok, KW, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, EMULATE: tl.constexpr):
+    """x[rows] @ w^T for one expert's BLOCK_N rows (`w_rows` [BLOCK_N] their blocks as int32 words,
+    KW words a row; `s_rows` their scales) and BLOCK_M activation rows (`x_rows`, 16-bit): float32
+    [BLOCK_M, BLOCK_N], each weight read and decoded once for all the rows, products in float16
+    pairs as `_mxfp4_rows_dot`'s."""
+    NW: tl.constexpr = BLOCK_K // 8
+    NB: tl.constexpr = BLOCK_K // 32
+    rw = tl.arange(0, NW)
+    rb = tl.arange(0, NB)
+    r4 = tl.arange(0, 4)
+    X_F16: tl.constexpr = x_rows.dtype.element_ty == tl.float16
+    x_words = x_rows.to(tl.pointer_type(tl.uint32))  # two activations a word (rows start on 16 bytes)
+    acc = tl.zeros([BLOCK_M, BLOCK_N, NB], tl.float32)
+    for kw0 in range(0, KW, NW):
+        kw = tl.max_contiguous(tl.multiple_of(kw0 + rw, NW), NW)
+        k_ok = kw < KW
+        w = tl.load(w_rows[None, :, None] + kw[None, None, :], mask=n_ok[None, :, None] & k_ok[None, None, :],
+                    other=0).to(tl.uint32, bitcast=True)
+        xw = tl.load(x_words[:, None, None] + kw[None, :, None] * 4 + r4[None, None, :],
+                     mask=row_ok[:, None, None] & k_ok[None, :, None], other=0)
+        p0, p1, p2, p3 = _x_pairs(xw, BLOCK_M, NW, X_F16, EMULATE)
+        p0, q0 = _word_halves(p0, BLOCK_M, NW)
+        p1, q1 = _word_halves(p1, BLOCK_M, NW)
+        p2, q2 = _word_halves(p2, BLOCK_M, NW)
+        p3, q3 = _word_halves(p3, BLOCK_M, NW)
+        w0, w1 = tl.split(tl.reshape(w, [1, BLOCK_N, NW // 2, 2]))
+        h0, h1, h2, h3 = _f16x2_decode(w0, EMULATE)
+        g0, g1, g2, g3 = _f16x2_decode(w1, EMULATE)
+        part = _f16x2_dots(h0, h1, h2, h3, g0, g1, g2, g3, p0[:, None, :], p1[:, None, :], p2[:, None, :],
+                           p3[:, None, :], q0[:, None, :], q1[:, None, :], q2[:, None, :], q3[:, None, :], EMULATE)
+        part = tl.reshape(part, [BLOCK_M, BLOCK_N, NB, 2])  # two words a product call, 4 a block
+        kb = kw0 // 4 + rb
+        scale = _e8m0_to_float(tl.load(s_rows[None, :, None] + kb[None, None, :],
+                                       mask=n_ok[None, :, None] & (kb < KW // 4)[None, None, :], other=127))
+        acc += tl.sum(part, 3) * scale
+    return tl.sum(acc, 2) * F16_SCALE
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _moe_mxfp4_tile_gemv_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, rows_ptr, bexp_ptr, N, K, num_rows,
+                                n_tiles, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_cm,
+                                alpha, limit, A_ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr,
+                                MUL_ROUTED: tl.constexpr, SWIGLU: tl.constexpr, PAIR_TILES: tl.constexpr,
+                                BLOCK_M: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr,
+                                PDL: tl.constexpr):
+    """`_moe_mxfp4_gemm_kernel`'s tile (its rows from `moe_align`, one expert) on the CUDA cores:
+    the expert's BLOCK_N weight rows decoded once into float16 pairs and multiplied with each of
+    the tile's BLOCK_M activation rows (`_mxfp4_tile_dot`). 16-bit activations; w's rows whole
+    words (stride_wn, stride_we multiples of 4 words)."""
+    pdl_wait(PDL)
+    expert, rows, pid_n = tile_rows(rows_ptr, bexp_ptr, num_rows, n_tiles, BLOCK_M, PAIR_TILES)
+    if expert < 0:
+        return
+    row_ok = rows < num_rows
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = rn < N
+    x_rows = a_ptr + (rows // A_ROW_DIV).to(tl.int64) * stride_am
+    w_rows = w_ptr + tl.multiple_of(expert * stride_we, 4) + tl.multiple_of(rn * stride_wn, 4).to(tl.int64)
+    s_rows = s_ptr + expert * stride_se + rn.to(tl.int64) * stride_sn
+    acc = _mxfp4_tile_dot(x_rows, w_rows, s_rows, row_ok, n_ok, tl.multiple_of(K // 8, 4), BLOCK_M, BLOCK_N, BLOCK_K,
+                          EMULATE)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + expert * stride_be + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if MUL_ROUTED:
+        acc *= tl.load(rw_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    if SWIGLU:
+        gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
+        cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :],
+                 swiglu_oai(gate, up, alpha, limit).to(c_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (cols < N // 2)[None, :])
+    else:
+        tl.store(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & n_ok[None, :])
+
+
+# Up to this many pairs an expert (on average) 16-bit activations take the tile GEMVs
+# (`_moe_mxfp4_tile_gemv_kernel`) beyond GEMV_MAX_TOKENS tokens. gpt-oss-120b's experts on one
+# H200 (128 experts, 4 a token: 2 pairs an expert at 64 tokens), CUDA graphs, cold L2, us, the
+# tile GEMVs' tiles (2 rows, 64 weight rows x 256 keys on 2 warps: the fastest of 36 at 32 to 128
+# tokens) against `tl.dot_scaled`'s grouped GEMMs in the same call: 32 / 48 / 64 tokens 439.3 /
+# 579.0 / 729.1 against 622.1 / 736.5 / 849.8, but 96 / 128 tokens 973.7 / 1,242.6 against 908.8
+# / 939.6. Tiles of 4 or 8 rows were slower at every point (128 tokens, 4 rows: 1,260.5).
+TILE_GEMV_MAX_ROWS = 2
+
+
+def mxfp4_config(num_pairs: int, num_experts: int, itemsize: int = 2, tile_gemv: bool = True) -> dict:
+    """Tiles by the rows each expert gets (pairs / E), in `moe_config`'s bands: up to
+    TILE_GEMV_MAX_ROWS with 16-bit activations the tile GEMVs ("TILE_GEMV", unless `tile_gemv` is
+    False: the grouped GEMMs' tiles for the same batch); a decode step's tiles are mostly padding
+    rows, so 16-row tiles. Prefill steps (over 64 rows an expert) 128 x 128 tiles: 8 warps
+    dequantize a 128 x 128 weight tile (the upcast runs once per tile of rows, so larger row tiles
+    amortise it). 4-byte activations (fp32 tests) keep 64 x 64 x 64 tiles past 24 rows, whose
+    stages and decoded fp32 weight tile fit in shared memory."""
     rows = num_pairs / num_experts
+    if tile_gemv and itemsize == 2 and rows <= TILE_GEMV_MAX_ROWS:
+        return {"TILE_GEMV": True, "BLOCK_M": 2, "BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 2}
     if rows <= ROW_BANDS[0]:
         # H200 sweep (`kernels.bench.moe_mxfp4 --sweep`), gpt-oss-120b: the upcast, not the bytes,
         # bounds a decode step's experts, and 2-warp programs spread it over more of the SMs. One
@@ -462,16 +617,13 @@ def mxfp4_config(num_pairs: int, num_experts: int, itemsize: int = 2) -> dict:
     return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}
 
 
-# Up to this many tokens the experts run as GEMVs (`_experts_gemv_mxfp4`): up to a few dozen tokens
-# most of the experts a step reads serve one or two pairs, and the GEMVs' float16 products cost
-# less than the grouped GEMMs' upcast of whole tiles. gpt-oss-120b's experts on one H200, CUDA
-# graphs, cold L2, each point its own routing, GEMVs against `tl.dot_scaled`'s grouped GEMMs, us
-# (`kernels.bench.moe_mxfp4`, the GEMVs forced past the limit): 1 / 8 / 16 / 32 tokens 31.5 /
-# 138.1 / 257.8 / 491.5 against 75.3 / 239.1 / 431.6 / 624.5; 40 / 48 / 56 / 64 tokens 609.5 /
-# 722.1 / 852.5 / 1,135.9 against 701.6 / 786.3 / 789.8 / 885.6. In the model's decode step (50
-# steps, three rounds, against the grouped GEMMs in the same call) 24 tokens 16.0-16.2 ms against
-# 21.9-22.0, 40 tokens 25.1-25.5 against 26.9-27.1, but 48 tokens 29.4-30.1 against 29.2-29.3.
-GEMV_MAX_TOKENS = 40
+# Up to this many tokens the experts run as GEMVs (`_experts_gemv_mxfp4`), one program a pair:
+# no alignment launch, no sum launch. gpt-oss-120b's experts on one H200, CUDA graphs, cold L2,
+# us (`kernels.bench.moe_mxfp4 --tile-sweep`): 1 / 8 / 16 tokens 31.5 / 138.1 / 257.7 against
+# 75.3 / 239.1 / 415.5 for `tl.dot_scaled`'s grouped GEMMs; from 16 tokens the tile GEMVs are as
+# fast (16: 257.4 with their tiles) and then faster (24: 348.1 against 375.9; 32: 439.3 against
+# 491.4; 40: 522.2 against 614.7).
+GEMV_MAX_TOKENS = 16
 
 
 def mxfp4_gemv_config(k: int, slots: int, f16: bool = True, rows: int = 1) -> dict:
@@ -483,11 +635,11 @@ def mxfp4_gemv_config(k: int, slots: int, f16: bool = True, rows: int = 1) -> di
       22.1-22.5 for 8 x 1,024 on one warp, and in gpt-oss-120b's batch-1 decode step 2.136-2.139
       ms against 2.199-2.203 (three rounds of 50 steps each, one call); up to 31 pairs 8 x 1,024
       on one warp (eight tokens 91.6-91.8 against 93.1-93.3 for 16 rows on 4 warps); from 32 pairs
-      16 rows on one warp (8 / 12 / 16 / 24 / 32 / 40 tokens 90.7 / 127.8 / 166.6 / 243.7 / 318.2 /
-      397.6 against 92.3 / 132.0 / 172.3 / 266.2 / 342.7 / 446.3 for 8 rows);
+      16 rows on one warp (8 / 12 / 16 tokens 90.7 / 127.8 / 166.6 against 92.3 / 132.0 / 172.3
+      for 8 rows);
     - down, which reads a token's k pairs' tiles in one step: 8 rows x 1,024 on 8 warps for one
       token (14.5-14.6, 4 warps 15.3-15.4), 4 warps for more (eight tokens 56.7-56.8 against 62.5;
-      the fastest of the sweep or within 0.2% of it from 8 to 40 tokens);
+      the fastest of the sweep or within 0.2% of it from 8 to 16 tokens);
     - a K loop pipelined through shared memory (`tl.range(num_stages=2 or 3)`) did not help one
       token and gained up to 4% at eight; reading each step's tile before the step before is
       multiplied was slower.
@@ -502,6 +654,23 @@ def mxfp4_gemv_config(k: int, slots: int, f16: bool = True, rows: int = 1) -> di
     if rows < 32:
         return {"BLOCK_N": 8, "BLOCK_K": block_k, "num_warps": 1}
     return {"BLOCK_N": 16, "BLOCK_K": block_k, "num_warps": 1}
+
+
+def mxfp4_variant_tokens(num_experts: int, top_k: int, itemsize: int = 2) -> list[int]:
+    """The fewest tokens of each kernel variant that `fused_experts_mxfp4` picks for batches up to
+    the tile GEMVs' last (`mxfp4_gemv_config`'s tiles of both GEMV launches, then the tile
+    GEMVs'): a batch of each compiles them all."""
+    first: dict[str, int] = {}
+    t = 1
+    while t <= GEMV_MAX_TOKENS or mxfp4_config(t * top_k, num_experts, itemsize).get("TILE_GEMV"):
+        if t <= GEMV_MAX_TOKENS:
+            f16 = itemsize == 2
+            key = repr((mxfp4_gemv_config(0, 1, f16, t * top_k), mxfp4_gemv_config(0, top_k, f16, t)))
+        else:
+            key = repr(mxfp4_config(t * top_k, num_experts, itemsize))
+        first.setdefault(key, t)
+        t += 1
+    return sorted(first.values())
 
 
 def _words(w: MXFP4Weight) -> torch.Tensor | None:
@@ -552,6 +721,30 @@ def _experts_gemv_mxfp4(x, w13: MXFP4Weight, w2: MXFP4Weight, words13: torch.Ten
     # ids were written before the gate/up launch, which only reads them.
     _gemv_mxfp4(inter, w2, words2, b2, ids, out, routed, k, 1, ids_early=True)
     return out
+
+
+def _tile_gemv_mxfp4(a, w: MXFP4Weight, words: torch.Tensor, b, tiles: RowTiles, out, routed, a_row_div: int,
+                     cfg: dict, act: SwigluOAI | None = None) -> None:
+    """One launch of `_moe_mxfp4_tile_gemv_kernel`: `_grouped_gemm_mxfp4`'s sums (16-bit `a`)
+    with each weight decoded once for the tile's rows, products on the CUDA cores."""
+    _, n, k = w.shape
+    if a.element_size() != 2:
+        raise TypeError(f"the tile GEMVs take 16-bit activations, got {a.dtype}")
+    if a.data_ptr() % 16 or a.stride(0) % 8:
+        a = a.clone()  # (read as 16-byte vectors of words)
+    block_k = min(cfg["BLOCK_K"], max(MXFP4_BLOCK, triton.next_power_of_2(k)))
+    if block_k % MXFP4_BLOCK or (act is not None and cfg["BLOCK_N"] % 2):
+        raise ValueError(f"tile GEMVs need BLOCK_K a multiple of {MXFP4_BLOCK} (and an even BLOCK_N with the "
+                         f"activation), got {cfg}")
+    grid, n_tiles = grid_of(tiles, n, cfg["BLOCK_N"])
+    _moe_mxfp4_tile_gemv_kernel[grid](
+        a, words, w.scales, b if b is not None else a, out, routed if routed is not None else out, tiles.rows,
+        tiles.block_expert, n, k, out.shape[0], n_tiles, a.stride(0), words.stride(0), words.stride(1),
+        w.scales.stride(0), w.scales.stride(1), b.stride(0) if b is not None else 0, out.stride(0),
+        act.alpha if act is not None else 0.0, act.limit if act is not None else 0.0, A_ROW_DIV=a_row_div,
+        HAS_BIAS=b is not None, MUL_ROUTED=routed is not None, SWIGLU=act is not None,
+        PAIR_TILES=tiles.pair_tiles, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
+        num_warps=cfg["num_warps"], num_stages=1, **pdl_args(a))
 
 
 def _use_scaled_dot(x: torch.Tensor, scaled_dot: bool | None) -> bool:
@@ -608,8 +801,10 @@ def fused_experts_mxfp4(x: torch.Tensor, w13: MXFP4Weight, w2: MXFP4Weight, topk
     """`fused_experts` with MXFP4 w13 [E, 2I, H] (gate and up rows interleaved, as gpt-oss's
     checkpoints) and w2 [E, H, I] (H and I multiples of 32), gpt-oss's activation `act`; biases
     in x's dtype (b13 interleaved as w13's rows). Without `config`, up to GEMV_MAX_TOKENS tokens
-    run as GEMVs; otherwise `scaled_dot` (default: for bf16 x) picks `tl.dot_scaled` over the
-    kernel's own decode."""
+    run as GEMVs, then `mxfp4_config`'s tiles: the tile GEMVs for few pairs an expert, else the
+    grouped GEMMs, where `scaled_dot` (default: for bf16 x) picks `tl.dot_scaled` over the
+    kernel's own decode. Blocks whose rows do not start on 16-byte boundaries take the grouped
+    GEMMs."""
     _check(x, w13, w2, topk_weights, topk_ids, b13, b2)
     use_scaled = _use_scaled_dot(x, scaled_dot)
     t, k = topk_ids.shape
@@ -617,19 +812,25 @@ def fused_experts_mxfp4(x: torch.Tensor, w13: MXFP4Weight, w2: MXFP4Weight, topk
     if t == 0:
         return x.new_zeros((0, h))
     x = x if x.stride(1) == 1 else x.contiguous()
-    if config is None and t <= GEMV_MAX_TOKENS:
-        words13, words2 = _words(w13), _words(w2)
-        if words13 is not None and words2 is not None:
-            return _experts_gemv_mxfp4(x, w13, w2, words13, words2, topk_weights, topk_ids, act, b13, b2)
-    cfg = config or mxfp4_config(t * k, e, x.element_size())
+    words13, words2 = _words(w13), _words(w2)
+    as_words = words13 is not None and words2 is not None
+    if config is None and t <= GEMV_MAX_TOKENS and as_words:
+        return _experts_gemv_mxfp4(x, w13, w2, words13, words2, topk_weights, topk_ids, act, b13, b2)
+    cfg = config or mxfp4_config(t * k, e, x.element_size(), tile_gemv=as_words)
+    if cfg.get("TILE_GEMV") and not as_words:
+        raise ValueError("the tile GEMVs read the blocks as words: their rows must start on 16-byte boundaries")
     # A tile a pair at batch 1 (no alignment launch) measured slower here: gpt-oss-120b's decode
     # step 4.01 against 3.88 ms (one H200, the same call), where the bf16 experts gained.
     tiles = row_tiles(topk_ids, e, cfg["BLOCK_M"], pair_tiles=False)
     routed = topk_weights.reshape(-1).contiguous()
     inter = torch.empty((t * k, two_i // 2), dtype=x.dtype, device=x.device)
-    _grouped_gemm_mxfp4(x, w13, b13, tiles, inter, None, k, cfg, use_scaled, act)
     out = torch.empty((t * k, h), dtype=x.dtype, device=x.device)
-    _grouped_gemm_mxfp4(inter, w2, b2, tiles, out, routed, 1, cfg, use_scaled)
+    if cfg.get("TILE_GEMV"):
+        _tile_gemv_mxfp4(x, w13, words13, b13, tiles, inter, None, k, cfg, act)
+        _tile_gemv_mxfp4(inter, w2, words2, b2, tiles, out, routed, 1, cfg)
+    else:
+        _grouped_gemm_mxfp4(x, w13, b13, tiles, inter, None, k, cfg, use_scaled, act)
+        _grouped_gemm_mxfp4(inter, w2, b2, tiles, out, routed, 1, cfg, use_scaled)
     return _sum_over_k(out, t, k)
 
 

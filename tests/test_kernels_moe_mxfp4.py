@@ -1,7 +1,8 @@
 """The MXFP4 experts' kernels (`kernels/fused_moe_mxfp4.py`): the dequantization against
 transformers' `convert_moe_packed_tensors` and the e2m1 formula, both ways of dequantizing in the
 grouped GEMM (`tl.dot_scaled`, the integer decode) against a float64 loop over tokens and their
-experts, and the GEMVs that a few tokens take (on CPU under TRITON_INTERPRET=1, natively on a GPU)."""
+experts, and the GEMVs and tile GEMVs that small batches take (on CPU under TRITON_INTERPRET=1,
+natively on a GPU)."""
 from __future__ import annotations
 
 import pytest
@@ -9,9 +10,10 @@ import torch
 
 from kernels.fused_moe import row_tiles, tokens_per_tile_band
 import kernels.fused_moe_mxfp4 as mxfp4
-from kernels.fused_moe_mxfp4 import (FP4_VALUES, GEMV_MAX_TOKENS, MXFP4Weight, SwigluOAI, _gemv_mxfp4,
-                                     _grouped_gemm_mxfp4, _words, dequantize_mxfp4, fused_experts_mxfp4,
-                                     fused_experts_mxfp4_ref, mxfp4_config)
+from kernels.fused_moe_mxfp4 import (FP4_VALUES, GEMV_MAX_TOKENS, TILE_GEMV_MAX_ROWS, MXFP4Weight, SwigluOAI,
+                                     _gemv_mxfp4, _grouped_gemm_mxfp4, _tile_gemv_mxfp4, _words, dequantize_mxfp4,
+                                     fused_experts_mxfp4, fused_experts_mxfp4_ref, mxfp4_config,
+                                     mxfp4_variant_tokens)
 from tests.conftest import DEVICE
 from tests.test_kernels_moe import rel_err, routing
 
@@ -20,6 +22,7 @@ ACT = SwigluOAI(ALPHA, LIMIT)
 TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-5}
 SMALL = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}
 LARGE = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}
+TILE = {"TILE_GEMV": True, "BLOCK_M": 2, "BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 2}  # two K steps at K = 96
 
 
 def mxfp4_weight(e: int, n: int, k: int, seed: int, scales: tuple[int, int] = (120, 124)) -> MXFP4Weight:
@@ -68,7 +71,7 @@ def test_dequantize_is_transformers_and_the_e2m1_formula():
     (1, 8, 2, 64, 32, SMALL),  # a decode step: every tile mostly padding
     (7, 6, 3, 96, 64, SMALL),  # H = 96: a partial K step (BLOCK_K 64) and masked N columns
     (37, 4, 2, 64, 96, LARGE),  # 64-row tiles, experts with many rows
-    (GEMV_MAX_TOKENS + 8, 3, 2, 64, 32, None),  # past the GEMVs, the default tile rule (64-row tiles)
+    (GEMV_MAX_TOKENS + 32, 3, 2, 64, 32, None),  # past the GEMVs, the default tile rule (64-row tiles)
 ])
 def test_fused_experts_mxfp4_against_a_float64_loop(dtype, scaled_dot, t, e, k, h, inter, cfg):
     g = torch.Generator().manual_seed(t + e)
@@ -88,26 +91,30 @@ def test_fused_experts_mxfp4_against_a_float64_loop(dtype, scaled_dot, t, e, k, 
 
 @pytest.mark.parametrize("t", [6, 1], ids=["aligned", "one-token"])
 @pytest.mark.parametrize("fused_act", [False, True], ids=["down", "gate_up"])
-@pytest.mark.parametrize("scaled_dot", [True, False], ids=["dot_scaled", "decode"])
-def test_grouped_gemm_writes_each_pair_row_once_and_nothing_else(scaled_dot, fused_act, t):
+@pytest.mark.parametrize("way", ["dot_scaled", "decode", "tile"])
+def test_grouped_gemm_writes_each_pair_row_once_and_nothing_else(way, fused_act, t):
     """One launch into a NaN-poisoned output whose rows are views of wider rows: the down GEMM
     (routing weights, a bias) or the gate/up GEMM with the activation of its (gate, up) row pairs
     fused (a bias, each token's row read for its k pairs): each pair's row is its expert's result,
-    the columns beside it untouched."""
+    the columns beside it untouched. `tile`: the tile GEMVs on the same tiles of rows (2 a tile:
+    experts with more pairs take several, padding rows in the rest), two K steps, a last program
+    whose weight rows run past N."""
     e, k, kdim, n = 5, 2, 96, 40
     g = torch.Generator().manual_seed(7)
     a = torch.randn(t if fused_act else t * k, kdim, generator=g).to(DEVICE, torch.bfloat16)
     w = mxfp4_weight(e, n, kdim, seed=2)
     b = torch.randn(e, n, generator=g).to(DEVICE, torch.bfloat16)
     weights, ids = routing(t, e, k, seed=3)
-    tiles = row_tiles(ids, e, SMALL["BLOCK_M"])
+    cfg = TILE if way == "tile" else SMALL
+    tiles = row_tiles(ids, e, cfg["BLOCK_M"])
     cols = n // 2 if fused_act else n
     wide = torch.full((t * k, cols + 3), float("nan"), device=DEVICE, dtype=torch.bfloat16)
     out = wide[:, :cols]
-    if fused_act:
-        _grouped_gemm_mxfp4(a, w, b, tiles, out, None, k, SMALL, scaled_dot, ACT)
+    routed, a_row_div, act = (None, k, ACT) if fused_act else (weights.reshape(-1), 1, None)
+    if way == "tile":
+        _tile_gemv_mxfp4(a, w, _words(w), b, tiles, out, routed, a_row_div, cfg, act)
     else:
-        _grouped_gemm_mxfp4(a, w, b, tiles, out, weights.reshape(-1), 1, SMALL, scaled_dot)
+        _grouped_gemm_mxfp4(a, w, b, tiles, out, routed, a_row_div, cfg, way == "dot_scaled", act)
     wf = dequantize_mxfp4(w.blocks, w.scales, torch.float64)
     flat = ids.flatten()
     for p in range(t * k):
@@ -147,20 +154,52 @@ def test_few_tokens_run_as_gemvs_against_a_float64_loop(dtype, t, e, k, h, inter
     assert rel_err(got, oracle(x, w13, w2, weights, ids, b13, b2)) < TOL[dtype]
 
 
-def test_gemvs_up_to_their_most_tokens_then_the_grouped_gemms(monkeypatch):
-    """Without a `config`, GEMV_MAX_TOKENS tokens take the GEMVs and one more the grouped GEMMs
-    (both paths recorded, not run)."""
+def test_each_batch_takes_its_path(monkeypatch):
+    """Without a `config`: GEMV_MAX_TOKENS tokens take the GEMVs; one more, at most
+    TILE_GEMV_MAX_ROWS pairs an expert, the tile GEMVs, up to the last batch within that; one more
+    the grouped GEMMs; fp32 activations the grouped GEMMs past the GEMVs (paths recorded, not run).
+    `mxfp4_variant_tokens` names a batch of each variant up to the tile GEMVs' last."""
     taken = []
     monkeypatch.setattr(mxfp4, "_experts_gemv_mxfp4", lambda x, *a: taken.append("gemv") or torch.zeros_like(x))
+    monkeypatch.setattr(mxfp4, "_tile_gemv_mxfp4", lambda *a, **kw: taken.append("tile"))
     monkeypatch.setattr(mxfp4, "_grouped_gemm_mxfp4", lambda *a, **kw: taken.append("grouped"))
-    e, k, h, inter = 4, 2, 64, 32
+    e, k, h, inter = 24, 2, 64, 32
     w13, w2 = mxfp4_weight(e, 2 * inter, h, seed=5), mxfp4_weight(e, h, inter, seed=6)
-    for t in (GEMV_MAX_TOKENS, GEMV_MAX_TOKENS + 1):
+    last_tile = TILE_GEMV_MAX_ROWS * e // k
+    assert last_tile > GEMV_MAX_TOKENS
+    for t, dtype in ((GEMV_MAX_TOKENS, torch.bfloat16), (GEMV_MAX_TOKENS + 1, torch.bfloat16),
+                     (last_tile, torch.bfloat16), (last_tile + 1, torch.bfloat16),
+                     (GEMV_MAX_TOKENS + 1, torch.float32)):
         weights, ids = routing(t, e, k, seed=t)
-        out = fused_experts_mxfp4(torch.zeros(t, h, device=DEVICE, dtype=torch.bfloat16), w13, w2,
-                                  weights.bfloat16(), ids, ACT)
+        out = fused_experts_mxfp4(torch.zeros(t, h, device=DEVICE, dtype=dtype), w13, w2, weights.to(dtype), ids,
+                                  ACT)
         assert out.shape == (t, h)
-    assert taken == ["gemv", "grouped", "grouped"]
+    assert taken == ["gemv", "tile", "tile", "tile", "tile", "grouped", "grouped", "grouped", "grouped"]
+    assert mxfp4_variant_tokens(e, k) == [1, 2, 3, 16, GEMV_MAX_TOKENS + 1]  # (gate/up rows 2 / 4 / 6 / 32, down 1 / 2)
+    assert mxfp4_variant_tokens(e, k, itemsize=4) == [1]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_tile_gemvs_against_a_float64_loop(dtype, monkeypatch):
+    """Past GEMV_MAX_TOKENS, at most TILE_GEMV_MAX_ROWS pairs an expert, the op takes the tile
+    GEMVs with its default tiles (one partial K step, H = 96; the down launch's second program
+    past N) against the float64 loop: every byte value through the word decode, experts of one to
+    several pairs; an expert no token chose has NaN scales, never read."""
+    taken = []
+    tile_path = mxfp4._tile_gemv_mxfp4
+    monkeypatch.setattr(mxfp4, "_tile_gemv_mxfp4", lambda *a, **kw: taken.append(1) or tile_path(*a, **kw))
+    t, e, k, h, inter = GEMV_MAX_TOKENS + 2, 20, 2, 96, 32
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(t, h, generator=g).to(DEVICE, dtype)
+    w13, w2 = mxfp4_weight(e, 2 * inter, h, seed=8), mxfp4_weight(e, h, inter, seed=9)
+    weights, ids = routing(t, e, k, seed=4, skip=(0,))
+    w13.scales[0], w2.scales[0] = 255, 255  # (E8M0 NaN)
+    b13 = (torch.randn(e, 2 * inter, generator=g) * 0.5).to(DEVICE, dtype)
+    b2 = (torch.randn(e, h, generator=g) * 0.5).to(DEVICE, dtype)
+    got = fused_experts_mxfp4(x, w13, w2, weights.to(dtype), ids, ACT, b13, b2)
+    assert len(taken) == 2 and got.shape == (t, h) and got.dtype == dtype
+    assert ids.flatten().bincount().max() > 2  # an expert of several tiles
+    assert rel_err(got, oracle(x, w13, w2, weights, ids, b13, b2)) < TOL[torch.bfloat16]
 
 
 @pytest.mark.parametrize("cfg", [None, {"BLOCK_N": 8, "BLOCK_K": 32, "num_warps": 2},
@@ -277,8 +316,11 @@ def test_default_tiles_of_every_band_and_refusals():
     e, k, h, inter = 4, 2, 64, 32
     w13, w2 = mxfp4_weight(e, 2 * inter, h, seed=5), mxfp4_weight(e, h, inter, seed=6)
     b13, b2 = torch.zeros(e, 2 * inter, device=DEVICE), torch.zeros(e, h, device=DEVICE)
-    assert [mxfp4_config(t * k, e)["BLOCK_M"] for t in tokens_per_tile_band(e, k)] == [16, 32, 64, 128]
+    assert [mxfp4_config(t * k, e, tile_gemv=False)["BLOCK_M"] for t in tokens_per_tile_band(e, k)] == [16, 32, 64,
+                                                                                                         128]
     assert [mxfp4_config(t * k, e, itemsize=4)["BLOCK_M"] for t in tokens_per_tile_band(e, k)] == [16, 32, 64, 64]
+    assert mxfp4_config(TILE_GEMV_MAX_ROWS * e, e)["TILE_GEMV"] and "TILE_GEMV" not in mxfp4_config(
+        TILE_GEMV_MAX_ROWS * e + 1, e)
     for t in tokens_per_tile_band(e, k)[::3]:
         x = torch.randn(t, h, generator=torch.Generator().manual_seed(t)).to(DEVICE, torch.bfloat16)
         weights, ids = routing(t, e, k, seed=t)
@@ -294,14 +336,20 @@ def test_default_tiles_of_every_band_and_refusals():
         fused_experts_mxfp4(x, w2, w13, weights, ids, ACT)
     with pytest.raises(TypeError, match="dot_scaled takes bf16"):
         fused_experts_mxfp4(x, w13, w2, weights, ids, ACT, scaled_dot=True)
+    with pytest.raises(TypeError, match="tile GEMVs take 16-bit"):
+        fused_experts_mxfp4(x, w13, w2, weights, ids, ACT, config=TILE)
+    off_words = MXFP4Weight(torch.zeros(e, 2 * inter, h // 2 + 1, dtype=torch.uint8, device=DEVICE)[:, :, 1:],
+                            w13.scales)
+    with pytest.raises(ValueError, match="16-byte boundaries"):
+        fused_experts_mxfp4(x.bfloat16(), off_words, w2, weights.bfloat16(), ids, ACT, config=TILE)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("scaled_dot", [True, False], ids=["dot_scaled", "decode"])
 def test_gpt_oss_widths_against_the_bf16_op(scaled_dot):
-    """gpt-oss's widths (H = I = 2880: a partial 128-wide K step) with the tiles of every band and
-    the GEMVs of 1 and GEMV_MAX_TOKENS tokens, against `fused_experts` on the same weights
-    dequantized to bf16."""
+    """gpt-oss's widths (H = I = 2880: a partial 128-wide K step) with the tiles of every band,
+    the GEMVs of 1 and GEMV_MAX_TOKENS tokens and the tile GEMVs (their default tiles, forced at
+    one token more), against `fused_experts` on the same weights dequantized to bf16."""
     from kernels.activation import swiglu_oai_and_mul
     from kernels.fused_moe import fused_experts
     e, k, h, inter = 8, 4, 2880, 2880
@@ -313,7 +361,9 @@ def test_gpt_oss_widths_against_the_bf16_op(scaled_dot):
     halves = lambda t: torch.cat([t[:, 0::2], t[:, 1::2]], 1).contiguous()  # noqa: E731 (the bf16 op's layout)
     act = lambda h: swiglu_oai_and_mul(h, ALPHA, LIMIT)  # noqa: E731
     # the GEMVs at their fewest and most tokens, then each band's tiles (forced where GEMVs would run)
-    cases = [(1, None), (GEMV_MAX_TOKENS, None), *((t, mxfp4_config(t * k, e)) for t in tokens_per_tile_band(e, k))]
+    tile = mxfp4_config(TILE_GEMV_MAX_ROWS * e, e)
+    cases = [(1, None), (GEMV_MAX_TOKENS, None), (GEMV_MAX_TOKENS + 1, tile),
+             *((t, mxfp4_config(t * k, e, tile_gemv=False)) for t in tokens_per_tile_band(e, k))]
     for t, cfg in cases:
         x = torch.randn(t, h, generator=g).to(DEVICE, torch.bfloat16)
         weights, ids = routing(t, e, k, seed=t)
@@ -321,3 +371,35 @@ def test_gpt_oss_widths_against_the_bf16_op(scaled_dot):
         got = fused_experts_mxfp4(x, w13, w2, weights.bfloat16(), ids, ACT, b13, b2, config=cfg,
                                   scaled_dot=scaled_dot)
         assert rel_err(got, want.double()) < 1e-2, (t, cfg)
+
+
+@pytest.mark.gpu
+def test_tile_gemvs_in_a_cuda_graph_equal_eager():
+    """gpt-oss's widths at a batch the rule gives the tile GEMVs (the alignment launch, both tile
+    launches and the sum captured in a CUDA graph): replays equal the eager op bit for bit, and
+    the grouped GEMMs' result within bf16's rounding."""
+    e, k, h, inter, t = 64, 4, 2880, 2880, GEMV_MAX_TOKENS + 1
+    assert mxfp4_config(t * k, e).get("TILE_GEMV")
+    w13, w2 = mxfp4_weight(e, 2 * inter, h, seed=3, scales=(119, 122)), mxfp4_weight(e, h, inter, seed=4,
+                                                                                      scales=(119, 122))
+    g = torch.Generator().manual_seed(5)
+    b13, b2 = (torch.randn(e, n, generator=g).to(DEVICE, torch.bfloat16) * 0.1 for n in (2 * inter, h))
+    x = torch.randn(t, h, generator=g).to(DEVICE, torch.bfloat16)
+    weights, ids = routing(t, e, k, seed=6)
+    run = lambda: fused_experts_mxfp4(x, w13, w2, weights.bfloat16(), ids, ACT, b13, b2)  # noqa: E731
+    eager = run()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        out = run()
+    for _ in range(2):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+    grouped = fused_experts_mxfp4(x, w13, w2, weights.bfloat16(), ids, ACT, b13, b2,
+                                  config=mxfp4_config(t * k, e, tile_gemv=False))
+    assert rel_err(eager, grouped.double()) < 1e-2

@@ -9,10 +9,12 @@ of k experts a token at the bf16 product rate measured in the same run, whicheve
     python -m kernels.bench.moe_mxfp4 --sweep    # also a grid of tiles a point, the best first
     python -m kernels.bench.moe_mxfp4 --sweep --way decode --tokens 1024   # the other way, one point
     python -m kernels.bench.moe_mxfp4 --tokens 1 2 4 8 --gemv-sweep 1      # the GEMVs' tiles at 1 token
+    python -m kernels.bench.moe_mxfp4 --tokens 48 64 128 --tile-sweep 64   # the tile GEMVs' tiles
 
 Both ways of dequantizing in the grouped GEMMs are timed: "dot_scaled" (`tl.dot_scaled`, the
 default for bf16) and "decode" (the kernel's own integer decode); up to GEMV_MAX_TOKENS tokens also
-"gemv", the path the op takes there. Routing is uniform (random logits, top-k, softmax over
+"gemv", the path the op takes there, and at every point "tile", the tile GEMVs (each expert's
+weights decoded once for its pairs: the rule's tiles where it takes them, else TILE_DEFAULT). Routing is uniform (random logits, top-k, softmax over
 the k). Everything runs in CUDA graphs (as the engine's decode does); `triton.testing.do_bench`
 medians, cold L2. Each point's output is checked against the bf16 op's (relative error < 2e-2).
 """
@@ -29,6 +31,8 @@ from kernels.bench.moe import graph_us
 from kernels.fused_moe import fused_experts
 from kernels.fused_moe_mxfp4 import (GEMV_MAX_TOKENS, MXFP4_BLOCK, MXFP4Weight, SwigluOAI, _gemv_mxfp4, _words,
                                      dequantize_mxfp4, fused_experts_mxfp4, mxfp4_config)
+
+TILE_DEFAULT = {"TILE_GEMV": True, "BLOCK_M": 2, "BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 1}
 
 SHAPE = (128, 4, 2880, 2880)  # gpt-oss-120b: experts, per token, hidden, intermediate
 TOKENS = (1, 64, 1024)
@@ -60,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--way", choices=["scaled", "decode"], default="scaled",
                    help="the way --sweep times: tl.dot_scaled or the kernel's own decode (default: %(default)s)")
     p.add_argument("--gemv-sweep", type=int, nargs="*", default=[], help="token counts to time GEMV tiles at")
+    p.add_argument("--tile-sweep", type=int, nargs="*", default=[], help="token counts to time tile GEMV tiles at")
     args = p.parse_args(argv)
     bw, rate = copy_bandwidth("cuda"), matmul_rate("cuda")
     print(f"{torch.cuda.get_device_name()}: copy {bw / 1e12:.2f} TB/s, bf16 products {rate / 1e12:.0f} TFLOP/s "
@@ -77,17 +82,20 @@ def main(argv: list[str] | None = None) -> int:
     dense_act = functools.partial(swiglu_oai_and_mul, alpha=ACT.alpha, limit=ACT.limit)
     per_expert = stored_bytes(w13, w2, b13, b2)
     print(f"{'tokens':>6} {'experts':>7} {'MB read':>8} {'roofline':>9} {'dot_scaled':>10} {'decode':>8} {'gemv':>8} "
-          f"{'bf16':>8} {'x roof':>6} {'vs bf16':>7}   (us; x roof and vs bf16 of the fastest MXFP4 way)")
+          f"{'tile':>8} {'bf16':>8} {'x roof':>6} {'vs bf16':>7}   (us; x roof and vs bf16 of the fastest MXFP4 way)")
     for t in args.tokens:
         x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, generator=g)
         top, ids = torch.rand(t, e, device="cuda", generator=g).topk(k, dim=1)
         weights = torch.softmax(top, dim=1).to(torch.bfloat16)
         dense = lambda: fused_experts(x, dense13, dense2, weights, ids, dense_act, dense_b13, b2)  # noqa: E731
         cfg = mxfp4_config(t * k, e)
+        grouped = mxfp4_config(t * k, e, tile_gemv=False)
         ways = {sd: functools.partial(fused_experts_mxfp4, x, w13, w2, weights, ids, ACT, b13, b2, scaled_dot=sd,
-                                      config=cfg) for sd in (True, False)}
+                                      config=grouped) for sd in (True, False)}
         if t <= GEMV_MAX_TOKENS:
             ways["gemv"] = functools.partial(fused_experts_mxfp4, x, w13, w2, weights, ids, ACT, b13, b2)
+        tile = cfg if cfg.get("TILE_GEMV") else TILE_DEFAULT
+        ways["tile"] = functools.partial(fused_experts_mxfp4, x, w13, w2, weights, ids, ACT, b13, b2, config=tile)
         want = dense().float()
         for sd, run in ways.items():
             err = ((run().float() - want).norm() / want.norm()).item()
@@ -100,9 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         best = min(times.values())
         gemv = f"{times['gemv']:8.1f}" if "gemv" in times else f"{'-':>8}"
         print(f"{t:6} {used:7} {nbytes / 1e6:8.1f} {roof:9.1f} {times[True]:10.1f} {times[False]:8.1f} {gemv} "
-              f"{t_dense:8.1f} {best / roof:6.2f} {t_dense / best:6.2f}x")
+              f"{times['tile']:8.1f} {t_dense:8.1f} {best / roof:6.2f} {t_dense / best:6.2f}x")
         if t in args.gemv_sweep:
             gemv_sweep(x, w13, w2, weights, ids, b13, b2)
+        if t in args.tile_sweep:
+            tile_sweep(ways["tile"], want)
         if args.sweep:
             sweep(t, e, ways[args.way == "scaled"], times[args.way == "scaled"])
     return 0
@@ -133,11 +143,31 @@ def gemv_sweep(x, w13, w2, weights, ids, b13, b2) -> None:
             print(f"    {name:8} {us:8.1f} us  {cfg}")
 
 
+TILE_SWEEP = [dict(TILE_GEMV=True, BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, num_warps=w)
+              for m, n, k, w in itertools.product((1, 2, 4), (32, 64, 128), (128, 256), (2, 4))]
+
+
+def tile_sweep(run, want: torch.Tensor) -> None:
+    """The whole op (alignment, both launches, the sum) with every tile of TILE_SWEEP; the six
+    fastest, each checked against the bf16 op."""
+    results = []
+    for cfg in TILE_SWEEP:
+        try:
+            err = ((run(config=cfg).float() - want).norm() / want.norm()).item()
+            assert err < 2e-2, f"{cfg}: relative error {err:.3g} against the bf16 op"
+            results.append((graph_us(functools.partial(run, config=cfg)), cfg))
+        except Exception as err:  # noqa: BLE001 (tiles that do not fit registers)
+            print(f"    skipped {cfg}: {type(err).__name__}: {str(err)[:80]}")
+    results.sort(key=lambda r: r[0])
+    for us, cfg in results[:6]:
+        print(f"    tile {us:8.1f} us  {cfg}")
+
+
 def sweep(t: int, e: int, run, shipped: float) -> None:
     """Every tile of SWEEP (with the rule's BLOCK_M) that compiles; the five fastest against the
     shipped rule's."""
     results = []
-    block_m = mxfp4_config(t * SHAPE[1], e)["BLOCK_M"]
+    block_m = mxfp4_config(t * SHAPE[1], e, tile_gemv=False)["BLOCK_M"]
     for tiles in SWEEP:
         cfg = dict(tiles, BLOCK_M=block_m)
         try:
@@ -145,7 +175,7 @@ def sweep(t: int, e: int, run, shipped: float) -> None:
         except Exception as err:  # noqa: BLE001 (tiles that do not fit shared memory or registers)
             print(f"    skipped {cfg}: {type(err).__name__}")
     results.sort(key=lambda r: r[0])
-    print(f"    shipped rule {mxfp4_config(t * SHAPE[1], e)}: {shipped:.1f} us; fastest:")
+    print(f"    shipped rule {mxfp4_config(t * SHAPE[1], e, tile_gemv=False)}: {shipped:.1f} us; fastest:")
     for us, cfg in results[:5]:
         print(f"    {us:8.1f} us  {cfg}")
 

@@ -303,7 +303,7 @@ class FusedMoE(nn.Module):
     def compile_variants(self) -> None:
         """Run one batch in each tile band of the kernels (they pick their tiles by the rows
         each expert gets), so that no prefill compiles a kernel while serving."""
-        for t in tokens_per_tile_band(self.num_experts, self.top_k):
+        for t in self.variant_tokens():
             x = torch.zeros(t, self.hidden, dtype=self.dtype, device=self.device)
             gate = 1 if self.shared_slots and self.scoring == "softmax" else 0  # the shared expert's gate
             logits = torch.randn(t, self.num_experts + gate, device=x.device)
@@ -313,6 +313,10 @@ class FusedMoE(nn.Module):
                 self(x, logits.to(x.dtype))  # the router's dtype
         compile_align_variants(self.num_experts + self.shared_slots, self.top_k + self.shared_slots,
                                self.dtype.itemsize, x.device, self.block_m_of)
+
+    def variant_tokens(self) -> list[int]:
+        """A batch size in each of the kernels' tile bands."""
+        return tokens_per_tile_band(self.num_experts, self.top_k)
 
     def block_m_of(self, num_pairs: int) -> int:
         """The row tile the kernels use for a batch of `num_pairs` (token, expert) pairs."""

@@ -17,7 +17,7 @@ import math
 import torch
 from torch import nn
 
-from kernels.fused_moe_mxfp4 import MXFP4_BLOCK, MXFP4Weight, SwigluOAI, mxfp4_config
+from kernels.fused_moe_mxfp4 import MXFP4_BLOCK, MXFP4Weight, SwigluOAI, mxfp4_config, mxfp4_variant_tokens
 from workers.layers.moe import FusedMoE
 from workers.ops import fused_experts_mxfp4_op
 from workers.parallel import TPGroup
@@ -109,6 +109,11 @@ class MXFP4FusedMoE(FusedMoE):
         w13, w2 = self.weights()
         return fused_experts_mxfp4_op(x, w13, w2, weights, ids, self.act, self.b13,
                                       self.b2 if self.first_rank else None)
+
+    def variant_tokens(self) -> list[int]:
+        """The grouped GEMMs' bands and the few-token paths' variants (GEMVs, tile GEMVs)."""
+        few = mxfp4_variant_tokens(self.num_experts, self.top_k, self.dtype.itemsize)
+        return sorted(set(super().variant_tokens()) | set(few))
 
     def block_m_of(self, num_pairs: int) -> int:
         return mxfp4_config(num_pairs, self.num_experts, self.dtype.itemsize)["BLOCK_M"]
