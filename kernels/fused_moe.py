@@ -101,21 +101,25 @@ def row_tiles(topk_ids: torch.Tensor, num_experts: int, block_m: int, pair_tiles
 
 
 @triton.jit
-def tile_rows(rows_ptr, bexp_ptr, num_rows, n_tiles, BLOCK_M: tl.constexpr, PAIR_TILES: tl.constexpr):
-    """`RowTiles` in a GEMM program of `grid_of`'s grid: the expert of its row tile (-1: none),
-    the tile's rows (num_rows: padding) and its column tile."""
+def tile_of(rows_ptr, bexp_ptr, num_rows, n_tiles, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            PAIR_TILES: tl.constexpr):
+    """`RowTiles` in a GEMM program of `grid_of`'s grid: the expert of its row tile (-1: none, the
+    program returns), the tile's rows (num_rows: padding) and which are pairs, its column tile,
+    that tile's columns and which are below N."""
     pid_m = tl.program_id(0) // n_tiles
     expert = tl.load(bexp_ptr + pid_m).to(tl.int64)
     if PAIR_TILES:
         rows = tl.where(tl.arange(0, BLOCK_M) == 0, pid_m, num_rows)
     else:
         rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    return expert, rows, tl.program_id(0) % n_tiles
+    pid_n = tl.program_id(0) % n_tiles
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return expert, rows, rows < num_rows, pid_n, rn, rn < N
 
 
 def grid_of(tiles: RowTiles, n: int, block_n: int) -> tuple[tuple[int], int]:
     """A grouped GEMM's grid and its column tiles a row tile. The column tiles of one row tile are
-    consecutive programs (`tile_rows`), so that they run side by side and read the tile's rows and
+    consecutive programs (`tile_of`), so that they run side by side and read the tile's rows and
     the expert's weights from L2, where launching the row tiles first made each column tile walk
     every expert again. One H200, prefill steps in CUDA graphs, us: Qwen3.6-35B-A3B's experts at
     8,192 tokens 1,233 against 1,290, Granite-4.0-H-Small's 3,288 against 3,508, 1,024 tokens 4-6%
@@ -209,12 +213,10 @@ def _moe_gemm_kernel(a_ptr, w_ptr, b_ptr, c_ptr, rw_ptr, rows_ptr, bexp_ptr, N, 
     for the tile's expert e. ACT >= 0 (`kernels.activation.apply_act`) applies the activation to
     the tile; GATED: of w[e]'s rows n (gate) and N + n (up), c being [.., N]."""
     pdl_wait(PDL)
-    expert, rows, pid_n = tile_rows(rows_ptr, bexp_ptr, num_rows, n_tiles, BLOCK_M, PAIR_TILES)
+    expert, rows, row_ok, pid_n, rn, n_ok = tile_of(rows_ptr, bexp_ptr, num_rows, n_tiles, N, BLOCK_M, BLOCK_N,
+                                                    PAIR_TILES)
     if expert < 0:
         return
-    row_ok = rows < num_rows
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < N
     rk = tl.arange(0, BLOCK_K)
     a_rows = a_ptr + (rows // A_ROW_DIV).to(tl.int64)[:, None] * stride_am
     w_rows = w_ptr + expert * stride_we + rn.to(tl.int64)[:, None] * stride_wn

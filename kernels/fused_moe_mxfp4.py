@@ -27,11 +27,12 @@ rows of padding. Beyond, up to TILE_GEMV_MAX_ROWS pairs an expert, the tile GEMV
 weight once for both: most experts serve one to three pairs there, and Hopper has no FP4
 products, so the instructions that turn 4-bit weights into numbers bound every way, and upcasting
 whole 16-row tiles for the tensor cores costs more than the products on the CUDA cores. Both read
-the weights as int32 words of eight elements. With 16-bit activations (`_f16x2_products`, inline PTX) a word's
-eight elements become four float16 pairs through e4m3 (two per conversion instruction) and meet x,
-rounded to float16 (beyond +-65,504 clamped) and paired in the order the bytes decode, in paired
-product-adds: each float16 lane sums the eight products of two words, then float32 takes over. That is 3.0-3.1 instructions a weight, against
-6.2-6.7 in float32, which 4-byte activations keep (`_word_dot`).
+the weights as int32 words of eight elements. With 16-bit activations (`_f16x2_products`, inline
+PTX; the tile GEMVs' `_f16x2_decode` and `_f16x2_dots` split it) a word's eight elements become
+four float16 pairs through e4m3 (two per conversion instruction) and meet x, rounded to float16
+(beyond +-65,504 clamped) and paired in the order the bytes decode, in paired product-adds: each
+float16 lane sums the eight products of two words, then float32 takes over. That is 3.0-3.1
+instructions a weight, against 6.2-6.7 in float32, which 4-byte activations keep (`_word_dot`).
 Under Triton's interpreter the same sums run in its operations. `fused_experts_mxfp4_ref`
 dequantizes the experts a batch chose, deinterleaves their gate/up rows and runs
 `fused_experts_ref` with `swiglu_oai_and_mul_ref` (the engine's path on CPU and the tests'
@@ -47,7 +48,7 @@ import triton
 import triton.language as tl
 
 from kernels.activation import swiglu_oai, swiglu_oai_and_mul_ref
-from kernels.fused_moe import ROW_BANDS, RowTiles, _sum_over_k, fused_experts_ref, grid_of, row_tiles, tile_rows
+from kernels.fused_moe import ROW_BANDS, RowTiles, _sum_over_k, fused_experts_ref, grid_of, row_tiles, tile_of
 from kernels.paged_attention import _interpreter_bf16
 from kernels.pdl import pdl_args, pdl_wait
 
@@ -128,6 +129,27 @@ def _mxfp4_to_float(w, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     return _e2m1_to_float(nib) * scale
 
 
+@triton.jit
+def _store_tile(acc, b_ptr, c_ptr, rw_ptr, expert, rows, row_ok, rn, n_ok, pid_n, N, stride_be, stride_cm, alpha,
+                limit, HAS_BIAS: tl.constexpr, MUL_ROUTED: tl.constexpr, SWIGLU: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """A grouped tile's float32 sums [BLOCK_M, BLOCK_N] (+ b[e]) (* rw[rows]) stored to c's rows,
+    or with SWIGLU gpt-oss's activation of their (gate, up) column pairs, [BLOCK_M, BLOCK_N / 2]."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + expert * stride_be + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if MUL_ROUTED:
+        acc *= tl.load(rw_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    if SWIGLU:
+        gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
+        out = swiglu_oai(gate, up, alpha, limit)
+        cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :], out.to(c_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (cols < N // 2)[None, :])
+    else:
+        tl.store(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & n_ok[None, :])
+
+
 @triton.jit(do_not_specialize=["num_rows"])  # T*k changes with every prefill's length
 def _moe_mxfp4_gemm_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, rows_ptr, bexp_ptr, N, K, num_rows, n_tiles,
                            stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_cm, alpha, limit,
@@ -139,12 +161,10 @@ def _moe_mxfp4_gemm_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, rows_ptr, 
     for the tile's expert e, w[e] MXFP4 (K a multiple of 32). With SWIGLU the tile's columns are
     (gate, up) pairs and [BLOCK_M, BLOCK_N / 2] of gpt-oss's activation of them is written."""
     pdl_wait(PDL)
-    expert, rows, pid_n = tile_rows(rows_ptr, bexp_ptr, num_rows, n_tiles, BLOCK_M, PAIR_TILES)
+    expert, rows, row_ok, pid_n, rn, n_ok = tile_of(rows_ptr, bexp_ptr, num_rows, n_tiles, N, BLOCK_M, BLOCK_N,
+                                                    PAIR_TILES)
     if expert < 0:
         return
-    row_ok = rows < num_rows
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < N
     rk = tl.arange(0, BLOCK_K)
     rb = tl.arange(0, BLOCK_K // 2)
     rs = tl.arange(0, BLOCK_K // 32)
@@ -169,19 +189,8 @@ def _moe_mxfp4_gemm_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, rows_ptr, 
             else:
                 wf = wf.to(a.dtype)
             acc = tl.dot(a, tl.trans(wf), acc, input_precision=PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + expert * stride_be + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if MUL_ROUTED:
-        acc *= tl.load(rw_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    if SWIGLU:
-        gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
-        out = swiglu_oai(gate, up, alpha, limit)
-        cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :], out.to(c_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & (cols < N // 2)[None, :])
-    else:
-        tl.store(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & n_ok[None, :])
+    _store_tile(acc, b_ptr, c_ptr, rw_ptr, expert, rows, row_ok, rn, n_ok, pid_n, N, stride_be, stride_cm, alpha,
+                limit, HAS_BIAS, MUL_ROUTED, SWIGLU, BLOCK_M, BLOCK_N)
 
 
 # A word's eight nibbles as e4m3 bytes s00eem00 (an e2m1 value times 2^-6, its subnormals
@@ -227,8 +236,8 @@ F16_SCALE = tl.constexpr(64.0)  # `_f16x2_products` multiplies by e2m1 values ti
 # a word's four float16 pairs (`_E4M3_BYTES` then four conversions), decoded once a tile, and the
 # sixteen products of two decoded words with one row's pairs.
 _F16X2_DECODE = tl.constexpr("{\n.reg .b32 t, e, o;\n.reg .b16 e0, e1, o0, o1;\n" + _E4M3_BYTES.format(w="$4")
-                             + "".join(f"cvt.rn.f16x2.e4m3x2 ${i}, {b};\n" for i, b in enumerate(("e0", "e1", "o0", "o1")))
-                             + "}")
+                             + "".join(f"cvt.rn.f16x2.e4m3x2 ${i}, {b};\n"
+                                       for i, b in enumerate(("e0", "e1", "o0", "o1"))) + "}")
 _F16X2_DOTS = tl.constexpr("{\n.reg .b32 acc;\n.reg .b16 al, ah;\n.reg .f32 fl, fh;\nmul.rn.f16x2 acc, $1, $9;\n"
                            + "".join(f"fma.rn.f16x2 acc, ${i}, ${i + 8}, acc;\n" for i in range(2, 9))
                            + "mov.b32 {al, ah}, acc;\ncvt.f32.f16 fl, al;\ncvt.f32.f16 fh, ah;\nadd.f32 $0, fl, fh;\n}")
@@ -277,8 +286,27 @@ def _x_pairs(xw, SLOTS_P2: tl.constexpr, NW: tl.constexpr, X_F16: tl.constexpr, 
 
 @triton.jit
 def _word_halves(v, SLOTS_P2: tl.constexpr, NW: tl.constexpr):
-    """[SLOTS_P2, NW] -> its even and odd columns, each [SLOTS_P2, NW / 2]."""
-    return tl.split(tl.reshape(v, [SLOTS_P2, NW // 2, 2]))
+    """[SLOTS_P2, NW] -> its even and odd columns, each [SLOTS_P2, 1, NW / 2] (a weight tile's
+    rows broadcast)."""
+    even, odd = tl.split(tl.reshape(v, [SLOTS_P2, NW // 2, 2]))
+    return even[:, None, :], odd[:, None, :]
+
+
+@triton.jit
+def _x_step_pairs(x_rows, kw, rows_ok, k_ok, ROWS: tl.constexpr, NW: tl.constexpr, EMULATE: tl.constexpr):
+    """A K step's activations for `_F16X2_PRODUCTS`: rows `x_rows` (16-bit, starting on 16 bytes),
+    weight words `kw` -> the pairs (p0..p3) of the even words and (q0..q3) of the odd ones, each
+    [ROWS, 1, NW / 2]."""
+    X_F16: tl.constexpr = x_rows.dtype.element_ty == tl.float16
+    x_words = x_rows.to(tl.pointer_type(tl.uint32))  # two activations a word
+    xw = tl.load(x_words[:, None, None] + kw[None, :, None] * 4 + tl.arange(0, 4)[None, None, :],
+                 mask=rows_ok[:, None, None] & k_ok[None, :, None], other=0)
+    p0, p1, p2, p3 = _x_pairs(xw, ROWS, NW, X_F16, EMULATE)
+    p0, q0 = _word_halves(p0, ROWS, NW)
+    p1, q1 = _word_halves(p1, ROWS, NW)
+    p2, q2 = _word_halves(p2, ROWS, NW)
+    p3, q3 = _word_halves(p3, ROWS, NW)
+    return p0, p1, p2, p3, q0, q1, q2, q3
 
 
 @triton.jit
@@ -374,25 +402,15 @@ def _mxfp4_rows_dot(x_rows, w_rows, s_rows, w, slot_ok, n_ok, KW, SLOTS_P2: tl.c
     NB: tl.constexpr = BLOCK_K // 32
     rw = tl.arange(0, NW)
     rb = tl.arange(0, NB)
-    r4 = tl.arange(0, 4)
-    X_F16: tl.constexpr = x_rows.dtype.element_ty == tl.float16
-    x_words = x_rows.to(tl.pointer_type(tl.uint32))  # two activations a word (rows start on 16 bytes)
     w_ok = slot_ok[:, None, None] & n_ok[None, :, None]
     acc = tl.zeros([SLOTS_P2, BLOCK_N, NB], tl.float32)
     for kw0 in range(0, KW, NW):
         kw = tl.max_contiguous(tl.multiple_of(kw0 + rw, NW), NW)
         k_ok = kw < KW
         if F16:
-            xw = tl.load(x_words[:, None, None] + kw[None, :, None] * 4 + r4[None, None, :],
-                         mask=slot_ok[:, None, None] & k_ok[None, :, None], other=0)
-            p0, p1, p2, p3 = _x_pairs(xw, SLOTS_P2, NW, X_F16, EMULATE)
-            p0, q0 = _word_halves(p0, SLOTS_P2, NW)
-            p1, q1 = _word_halves(p1, SLOTS_P2, NW)
-            p2, q2 = _word_halves(p2, SLOTS_P2, NW)
-            p3, q3 = _word_halves(p3, SLOTS_P2, NW)
+            p0, p1, p2, p3, q0, q1, q2, q3 = _x_step_pairs(x_rows, kw, slot_ok, k_ok, SLOTS_P2, NW, EMULATE)
             w0, w1 = tl.split(tl.reshape(w, [SLOTS_P2, BLOCK_N, NW // 2, 2]))
-            part = _f16x2_products(w0, w1, p0[:, None, :], p1[:, None, :], p2[:, None, :], p3[:, None, :],
-                                   q0[:, None, :], q1[:, None, :], q2[:, None, :], q3[:, None, :], EMULATE)
+            part = _f16x2_products(w0, w1, p0, p1, p2, p3, q0, q1, q2, q3, EMULATE)
             part = tl.reshape(part, [SLOTS_P2, BLOCK_N, NB, 2])  # two words a product call, 4 a block
         else:
             part = tl.reshape(_word_dot(w, x_rows, kw, slot_ok[:, None, None] & k_ok[None, None, :]),
@@ -511,27 +529,17 @@ def _mxfp4_tile_dot(x_rows, w_rows, s_rows, row_ok, n_ok, KW, BLOCK_M: tl.conste
     NB: tl.constexpr = BLOCK_K // 32
     rw = tl.arange(0, NW)
     rb = tl.arange(0, NB)
-    r4 = tl.arange(0, 4)
-    X_F16: tl.constexpr = x_rows.dtype.element_ty == tl.float16
-    x_words = x_rows.to(tl.pointer_type(tl.uint32))  # two activations a word (rows start on 16 bytes)
     acc = tl.zeros([BLOCK_M, BLOCK_N, NB], tl.float32)
     for kw0 in range(0, KW, NW):
         kw = tl.max_contiguous(tl.multiple_of(kw0 + rw, NW), NW)
         k_ok = kw < KW
         w = tl.load(w_rows[None, :, None] + kw[None, None, :], mask=n_ok[None, :, None] & k_ok[None, None, :],
                     other=0).to(tl.uint32, bitcast=True)
-        xw = tl.load(x_words[:, None, None] + kw[None, :, None] * 4 + r4[None, None, :],
-                     mask=row_ok[:, None, None] & k_ok[None, :, None], other=0)
-        p0, p1, p2, p3 = _x_pairs(xw, BLOCK_M, NW, X_F16, EMULATE)
-        p0, q0 = _word_halves(p0, BLOCK_M, NW)
-        p1, q1 = _word_halves(p1, BLOCK_M, NW)
-        p2, q2 = _word_halves(p2, BLOCK_M, NW)
-        p3, q3 = _word_halves(p3, BLOCK_M, NW)
+        p0, p1, p2, p3, q0, q1, q2, q3 = _x_step_pairs(x_rows, kw, row_ok, k_ok, BLOCK_M, NW, EMULATE)
         w0, w1 = tl.split(tl.reshape(w, [1, BLOCK_N, NW // 2, 2]))
         h0, h1, h2, h3 = _f16x2_decode(w0, EMULATE)
         g0, g1, g2, g3 = _f16x2_decode(w1, EMULATE)
-        part = _f16x2_dots(h0, h1, h2, h3, g0, g1, g2, g3, p0[:, None, :], p1[:, None, :], p2[:, None, :],
-                           p3[:, None, :], q0[:, None, :], q1[:, None, :], q2[:, None, :], q3[:, None, :], EMULATE)
+        part = _f16x2_dots(h0, h1, h2, h3, g0, g1, g2, g3, p0, p1, p2, p3, q0, q1, q2, q3, EMULATE)
         part = tl.reshape(part, [BLOCK_M, BLOCK_N, NB, 2])  # two words a product call, 4 a block
         kb = kw0 // 4 + rb
         scale = _e8m0_to_float(tl.load(s_rows[None, :, None] + kb[None, None, :],
@@ -545,38 +553,24 @@ def _moe_mxfp4_tile_gemv_kernel(a_ptr, w_ptr, s_ptr, b_ptr, c_ptr, rw_ptr, rows_
                                 n_tiles, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_cm,
                                 alpha, limit, A_ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr,
                                 MUL_ROUTED: tl.constexpr, SWIGLU: tl.constexpr, PAIR_TILES: tl.constexpr,
-                                BLOCK_M: tl.constexpr,
-                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EMULATE: tl.constexpr,
-                                PDL: tl.constexpr):
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                EMULATE: tl.constexpr, PDL: tl.constexpr):
     """`_moe_mxfp4_gemm_kernel`'s tile (its rows from `moe_align`, one expert) on the CUDA cores:
     the expert's BLOCK_N weight rows decoded once into float16 pairs and multiplied with each of
     the tile's BLOCK_M activation rows (`_mxfp4_tile_dot`). 16-bit activations; w's rows whole
     words (stride_wn, stride_we multiples of 4 words)."""
     pdl_wait(PDL)
-    expert, rows, pid_n = tile_rows(rows_ptr, bexp_ptr, num_rows, n_tiles, BLOCK_M, PAIR_TILES)
+    expert, rows, row_ok, pid_n, rn, n_ok = tile_of(rows_ptr, bexp_ptr, num_rows, n_tiles, N, BLOCK_M, BLOCK_N,
+                                                    PAIR_TILES)
     if expert < 0:
         return
-    row_ok = rows < num_rows
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < N
     x_rows = a_ptr + (rows // A_ROW_DIV).to(tl.int64) * stride_am
     w_rows = w_ptr + tl.multiple_of(expert * stride_we, 4) + tl.multiple_of(rn * stride_wn, 4).to(tl.int64)
     s_rows = s_ptr + expert * stride_se + rn.to(tl.int64) * stride_sn
     acc = _mxfp4_tile_dot(x_rows, w_rows, s_rows, row_ok, n_ok, tl.multiple_of(K // 8, 4), BLOCK_M, BLOCK_N, BLOCK_K,
                           EMULATE)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + expert * stride_be + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if MUL_ROUTED:
-        acc *= tl.load(rw_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    if SWIGLU:
-        gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
-        cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :],
-                 swiglu_oai(gate, up, alpha, limit).to(c_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & (cols < N // 2)[None, :])
-    else:
-        tl.store(c_ptr + rows.to(tl.int64)[:, None] * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & n_ok[None, :])
+    _store_tile(acc, b_ptr, c_ptr, rw_ptr, expert, rows, row_ok, rn, n_ok, pid_n, N, stride_be, stride_cm, alpha,
+                limit, HAS_BIAS, MUL_ROUTED, SWIGLU, BLOCK_M, BLOCK_N)
 
 
 # Up to this many pairs an expert (on average) 16-bit activations take the tile GEMVs
@@ -743,8 +737,8 @@ def _tile_gemv_mxfp4(a, w: MXFP4Weight, words: torch.Tensor, b, tiles: RowTiles,
         w.scales.stride(0), w.scales.stride(1), b.stride(0) if b is not None else 0, out.stride(0),
         act.alpha if act is not None else 0.0, act.limit if act is not None else 0.0, A_ROW_DIV=a_row_div,
         HAS_BIAS=b is not None, MUL_ROUTED=routed is not None, SWIGLU=act is not None,
-        PAIR_TILES=tiles.pair_tiles, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, EMULATE=os.environ.get("TRITON_INTERPRET") == "1",
-        num_warps=cfg["num_warps"], num_stages=1, **pdl_args(a))
+        PAIR_TILES=tiles.pair_tiles, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k,
+        EMULATE=os.environ.get("TRITON_INTERPRET") == "1", num_warps=cfg["num_warps"], num_stages=1, **pdl_args(a))
 
 
 def _use_scaled_dot(x: torch.Tensor, scaled_dot: bool | None) -> bool:

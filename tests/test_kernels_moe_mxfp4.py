@@ -242,7 +242,8 @@ def test_gemv_writes_each_output_row_once_and_nothing_else(down, cfg):
 def test_gemv_float16_products_clamp_activations_beyond_float16():
     """16-bit activations meet the weights as float16: values beyond +-65,504 (bf16 holds them)
     count as +-65,504, finite, not inf; the rest as float16 rounds them. A down launch of two
-    pairs a token against the float64 loop on x so clamped; fp32 activations keep their values."""
+    pairs a token against the float64 loop on x so clamped, as GEMVs and as tile GEMVs; fp32
+    activations keep their values."""
     t, e, k, kdim, n = 2, 4, 2, 64, 16
     g = torch.Generator().manual_seed(11)
     a = torch.randn(t * k, kdim, generator=g)
@@ -259,6 +260,12 @@ def test_gemv_float16_products_clamp_activations_beyond_float16():
         for r in range(t):
             want = sum(routed[p].to(dtype).double() * (wf[flat[p]] @ seen[p]) for p in range(r * k, r * k + k))
             assert torch.isfinite(out[r]).all() and rel_err(out[r], want) < (1e-2 if limit else 1e-5), (dtype, r)
+    # The tile GEMVs round x the same way: each pair's row, before the sum over k.
+    x, pairs = a.to(DEVICE, torch.bfloat16), torch.empty(t * k, n, device=DEVICE, dtype=torch.bfloat16)
+    _tile_gemv_mxfp4(x, w, _words(w), None, row_tiles(ids, e, TILE["BLOCK_M"]), pairs, routed.bfloat16(), 1, TILE)
+    for p in range(t * k):
+        want = routed[p].bfloat16().double() * (wf[flat[p]] @ x[p].double().clamp(-65504.0, 65504.0))
+        assert torch.isfinite(pairs[p]).all() and rel_err(pairs[p], want) < 1e-2, p
 
 
 def test_gemv_float16_sums_stay_finite_at_the_largest_products():

@@ -14,7 +14,7 @@ of k experts a token at the bf16 product rate measured in the same run, whicheve
 Both ways of dequantizing in the grouped GEMMs are timed: "dot_scaled" (`tl.dot_scaled`, the
 default for bf16) and "decode" (the kernel's own integer decode); up to GEMV_MAX_TOKENS tokens also
 "gemv", the path the op takes there, and at every point "tile", the tile GEMVs (each expert's
-weights decoded once for its pairs: the rule's tiles where it takes them, else TILE_DEFAULT). Routing is uniform (random logits, top-k, softmax over
+weights decoded once for a tile's pairs) with the rule's tiles. Routing is uniform (random logits, top-k, softmax over
 the k). Everything runs in CUDA graphs (as the engine's decode does); `triton.testing.do_bench`
 medians, cold L2. Each point's output is checked against the bf16 op's (relative error < 2e-2).
 """
@@ -29,10 +29,8 @@ import torch
 from kernels.activation import swiglu_oai_and_mul
 from kernels.bench.moe import graph_us
 from kernels.fused_moe import fused_experts
-from kernels.fused_moe_mxfp4 import (GEMV_MAX_TOKENS, MXFP4_BLOCK, MXFP4Weight, SwigluOAI, _gemv_mxfp4, _words,
-                                     dequantize_mxfp4, fused_experts_mxfp4, mxfp4_config)
-
-TILE_DEFAULT = {"TILE_GEMV": True, "BLOCK_M": 2, "BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 1}
+from kernels.fused_moe_mxfp4 import (GEMV_MAX_TOKENS, MXFP4_BLOCK, TILE_GEMV_MAX_ROWS, MXFP4Weight, SwigluOAI,
+                                     _gemv_mxfp4, _words, dequantize_mxfp4, fused_experts_mxfp4, mxfp4_config)
 
 SHAPE = (128, 4, 2880, 2880)  # gpt-oss-120b: experts, per token, hidden, intermediate
 TOKENS = (1, 64, 1024)
@@ -88,13 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         top, ids = torch.rand(t, e, device="cuda", generator=g).topk(k, dim=1)
         weights = torch.softmax(top, dim=1).to(torch.bfloat16)
         dense = lambda: fused_experts(x, dense13, dense2, weights, ids, dense_act, dense_b13, b2)  # noqa: E731
-        cfg = mxfp4_config(t * k, e)
         grouped = mxfp4_config(t * k, e, tile_gemv=False)
         ways = {sd: functools.partial(fused_experts_mxfp4, x, w13, w2, weights, ids, ACT, b13, b2, scaled_dot=sd,
                                       config=grouped) for sd in (True, False)}
         if t <= GEMV_MAX_TOKENS:
             ways["gemv"] = functools.partial(fused_experts_mxfp4, x, w13, w2, weights, ids, ACT, b13, b2)
-        tile = cfg if cfg.get("TILE_GEMV") else TILE_DEFAULT
+        tile = mxfp4_config(TILE_GEMV_MAX_ROWS * e, e)  # the rule's tile GEMVs, also where it takes another path
         ways["tile"] = functools.partial(fused_experts_mxfp4, x, w13, w2, weights, ids, ACT, b13, b2, config=tile)
         want = dense().float()
         for sd, run in ways.items():
