@@ -613,10 +613,10 @@ def mxfp4_config(num_pairs: int, num_experts: int, itemsize: int = 2, tile_gemv:
 
 # Up to this many tokens the experts run as GEMVs (`_experts_gemv_mxfp4`), one program a pair:
 # no alignment launch, no sum launch. gpt-oss-120b's experts on one H200, CUDA graphs, cold L2,
-# us (`kernels.bench.moe_mxfp4 --tile-sweep`): 1 / 8 / 16 tokens 31.5 / 138.1 / 257.7 against
-# 75.3 / 239.1 / 415.5 for `tl.dot_scaled`'s grouped GEMMs; from 16 tokens the tile GEMVs are as
-# fast (16: 257.4 with their tiles) and then faster (24: 348.1 against 375.9; 32: 439.3 against
-# 491.4; 40: 522.2 against 614.7).
+# us (`kernels.bench.moe_mxfp4`): 1 / 16 tokens 31.3 / 257.2 against 75.4 / 397.8 for
+# `tl.dot_scaled`'s grouped GEMMs (8 tokens, an earlier call: 138.1 against 239.1). From 16 tokens
+# the tile GEMVs are as fast (16: 253.3, the same call) and then faster (`--tile-sweep`, earlier
+# calls: 24 tokens 348.1 against 375.9; 32: 439.3 against 491.4; 40: 522.2 against 614.7).
 GEMV_MAX_TOKENS = 16
 
 
