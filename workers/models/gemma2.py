@@ -60,11 +60,13 @@ class Gemma2DecoderLayer(LlamaDecoderLayer):
         Here `h` is the layer's input already normed (by the layer before, or the model for the
         first), and the layer ends with the next layer's input norm (`next_norm`, the final norm
         after the last layer): each residual add sits between two norms, and the three run as one
-        launch (with the all-reduce before them where the NVLink kernel takes it)."""
+        launch (with the all-reduce before them where the NVLink kernel takes it). Both norms feed
+        dense projections (the MLP's gate_up, the next layer's qkv)."""
         h, residual = self.attention_out(self.self_attn(positions, h, meta), residual,
-                                         self.pre_feedforward_layernorm, pre_norm=self.post_attention_layernorm)
+                                         self.pre_feedforward_layernorm, pre_norm=self.post_attention_layernorm,
+                                         feeds_dense_projection=True)
         return reduce_add_norm(self.tp, self.mlp(h), residual, next_norm, pre_norm=self.post_feedforward_layernorm,
-                               reduce=self.mlp.down_proj.deferred)
+                               reduce=self.mlp.down_proj.deferred, feeds_dense_projection=True)
 
 
 class GemmaDecoderModel(DecoderModel):

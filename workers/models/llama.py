@@ -26,16 +26,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False)
         self.eps, self.gemma = eps, gemma
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        return rms_norm_op(x, self.weight, self.eps, residual, gemma=self.gemma)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, feeds_dense_projection: bool = False):
+        return rms_norm_op(x, self.weight, self.eps, residual, gemma=self.gemma,
+                           feeds_dense_projection=feeds_dense_projection)
 
 
 def reduce_add_norm(tp: TPGroup, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
-                    pre_norm: RMSNorm | None = None, reduce: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                    pre_norm: RMSNorm | None = None, reduce: bool = True,
+                    feeds_dense_projection: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(pre_norm(all-reduce(x)) + residual), the stream after the add), x being partial sums
     (`reduce`) or already whole. One kernel where it can: the NVLink all-reduce with the norms
     fused (`workers.parallel.NVLinkAllReduce`), or after NCCL's all-reduce both norms in one
-    launch (`kernels.layernorm`); two norm launches only when the norms differ in form."""
+    launch (`kernels.layernorm`); two norm launches only when the norms differ in form.
+    `feeds_dense_projection`: `kernels.layernorm.rms_norm`'s launch for the norm with the add."""
     same = pre_norm is None or (pre_norm.eps == norm.eps and pre_norm.gemma == norm.gemma)
     if reduce and tp.world_size > 1 and tp.custom is not None and same:
         fused = tp.custom.reduce_norm(x, residual, norm.weight, norm.eps, norm.gemma,
@@ -45,8 +48,9 @@ def reduce_add_norm(tp: TPGroup, x: torch.Tensor, residual: torch.Tensor, norm: 
     if reduce:
         x = tp.all_reduce(x)
     if pre_norm is not None and same:
-        return rms_norm_op(x, norm.weight, norm.eps, residual, gemma=norm.gemma, pre_weight=pre_norm.weight)
-    return norm(x if pre_norm is None else pre_norm(x), residual)
+        return rms_norm_op(x, norm.weight, norm.eps, residual, gemma=norm.gemma, pre_weight=pre_norm.weight,
+                           feeds_dense_projection=feeds_dense_projection)
+    return norm(x if pre_norm is None else pre_norm(x), residual, feeds_dense_projection=feeds_dense_projection)
 
 
 class LlamaMLP(nn.Module):
@@ -152,10 +156,12 @@ class LlamaDecoderLayer(nn.Module):
         return bool(vars(owner).get(name, False))
 
     def attention_out(self, h: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
-                      pre_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      pre_norm: RMSNorm | None = None, feeds_dense_projection: bool = False,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention output (partial sums when its all-reduce is deferred) through the norms
         that follow it and the residual add."""
-        return reduce_add_norm(self.tp, h, residual, norm, pre_norm, reduce=self.self_attn.o_proj.deferred)
+        return reduce_add_norm(self.tp, h, residual, norm, pre_norm, reduce=self.self_attn.o_proj.deferred,
+                               feeds_dense_projection=feeds_dense_projection)
 
     def forward(self, positions, x, residual, meta):
         if residual is None:
