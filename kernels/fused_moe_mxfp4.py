@@ -676,6 +676,12 @@ def _words(w: MXFP4Weight) -> torch.Tensor | None:
     return b.view(torch.int32)
 
 
+def _rows_on_16_bytes(a: torch.Tensor) -> torch.Tensor:
+    """a, copied where its rows do not start on 16-byte boundaries (the GEMVs read 16-bit
+    activations as 16-byte vectors of words)."""
+    return a.clone() if a.data_ptr() % 16 or a.stride(0) % 8 else a
+
+
 def _gemv_mxfp4(a, w: MXFP4Weight, words: torch.Tensor, b, ids, out, routed, slots: int, a_row_div: int,
                 act: SwigluOAI | None = None, config: dict | None = None, ids_early: bool = False) -> None:
     """One launch: out[r] = the sum over the pairs p = r * slots + j of a[p // a_row_div] @
@@ -686,8 +692,8 @@ def _gemv_mxfp4(a, w: MXFP4Weight, words: torch.Tensor, b, ids, out, routed, slo
     tile, before its PDL wait)."""
     _, n, k = w.shape
     f16 = a.element_size() == 2
-    if f16 and (a.data_ptr() % 16 or a.stride(0) % 8):
-        a = a.clone()  # (16-bit activations are read as 16-byte vectors of words)
+    if f16:
+        a = _rows_on_16_bytes(a)
     cfg = config or mxfp4_gemv_config(k, slots, f16, out.shape[0])
     if cfg["BLOCK_K"] % MXFP4_BLOCK or (act is not None and cfg["BLOCK_N"] % 2):
         raise ValueError(f"GEMV tiles need BLOCK_K a multiple of {MXFP4_BLOCK} (and an even BLOCK_N with the "
@@ -724,8 +730,7 @@ def _tile_gemv_mxfp4(a, w: MXFP4Weight, words: torch.Tensor, b, tiles: RowTiles,
     _, n, k = w.shape
     if a.element_size() != 2:
         raise TypeError(f"the tile GEMVs take 16-bit activations, got {a.dtype}")
-    if a.data_ptr() % 16 or a.stride(0) % 8:
-        a = a.clone()  # (read as 16-byte vectors of words)
+    a = _rows_on_16_bytes(a)
     block_k = min(cfg["BLOCK_K"], max(MXFP4_BLOCK, triton.next_power_of_2(k)))
     if block_k % MXFP4_BLOCK or (act is not None and cfg["BLOCK_N"] % 2):
         raise ValueError(f"tile GEMVs need BLOCK_K a multiple of {MXFP4_BLOCK} (and an even BLOCK_N with the "

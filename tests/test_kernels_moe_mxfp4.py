@@ -284,9 +284,10 @@ def test_gemv_float16_sums_stay_finite_at_the_largest_products():
         assert torch.isfinite(out).all() and rel_err(out[0], want) < 1e-2, dtype
 
 
-def test_gemv_reads_activation_rows_off_word_boundaries():
+def test_gemvs_read_activation_rows_off_word_boundaries():
     """16-bit activations are read as 16-byte vectors of words: rows that do not start on 16-byte
-    boundaries (a view one element into wider rows) are copied first, and give the same result."""
+    boundaries (a view one element into wider rows) are copied first, and give the same result,
+    in the GEMVs and in the tile GEMVs."""
     t, e, k, kdim, n = 2, 4, 2, 64, 16
     g = torch.Generator().manual_seed(12)
     wide = torch.randn(t * k, kdim + 8, generator=g).to(DEVICE, torch.bfloat16)
@@ -298,6 +299,11 @@ def test_gemv_reads_activation_rows_off_word_boundaries():
     assert view.data_ptr() % 16
     _gemv_mxfp4(view, w, _words(w), None, flat, got, routed, k, 1)
     _gemv_mxfp4(view.contiguous(), w, _words(w), None, flat, want, routed, k, 1)
+    assert torch.equal(got, want)
+    tiles = row_tiles(ids, e, TILE["BLOCK_M"])
+    got, want = (torch.empty(t * k, n, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    _tile_gemv_mxfp4(view, w, _words(w), None, tiles, got, routed, 1, TILE)
+    _tile_gemv_mxfp4(view.contiguous(), w, _words(w), None, tiles, want, routed, 1, TILE)
     assert torch.equal(got, want)
 
 
