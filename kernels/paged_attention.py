@@ -351,17 +351,24 @@ def batch_fills_gpu(num_seqs: int, num_kv_heads: int, num_sms: int) -> bool:
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
-                      tile_n: int = 64, max_splits: int = 32) -> int:
+                      tile_n: int = 64, max_splits: int = 32, sliding_window: int = 0, chunk_size: int = 0) -> int:
     """Splits of the key range for a decode batch too small to fill the GPU: enough programs for
     ~2 waves, at least one key tile per split (the merge kernel combines them). A split's time is
     its chain of dependent loads, so more splits win as long as they have work: H200, B=1, Gemma-3's
     heads, tile 64, each inside a CUDA graph (`kernels/bench/decode_batch1.py`): 600 keys 9.4 us with 16
     splits against 11.2 with 8; 2,048 keys 13.1 us with 32 against 17.8 with 8; 8,192 keys 27.6
-    against 55.7. 1 = no split."""
+    against 55.7. 1 = no split. A query reads at most a window's keys (a local chunk's), which span
+    one tile more than they fill: splits beyond those tiles would only write empty partials for the
+    merge to read (gpt-oss-120b, window 128, batch 1: 2 splits where the graph's bound gave 32, a
+    decode step 2.112-2.118 ms against 2.129-2.142, H200)."""
     if batch_fills_gpu(num_seqs, num_kv_heads, num_sms):
         return 1
     programs = num_seqs * num_kv_heads
-    tiles = max_seq_len // tile_n
+    keys = max_seq_len
+    for span in (sliding_window, chunk_size):
+        if span:
+            keys = min(keys, span + tile_n)
+    tiles = keys // tile_n
     want = min(triton.cdiv(2 * num_sms, programs), max(tiles, 1), max_splits)
     return _next_pow2(want) if want > 1 else 1
 
@@ -481,7 +488,8 @@ def paged_attention(
         # At D=512 each split's partial row is 2 KiB to merge: 8 splits at most (B=1, 600 keys,
         # H200: 41 us against 56 with the 32 the rule gives D=256).
         num_splits = (choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms, cfg["TILE_N"],
-                                        max_splits=8 if head_dim > 256 else 32)
+                                        max_splits=8 if head_dim > 256 else 32, sliding_window=sliding_window,
+                                        chunk_size=chunk_size)
                       if max_query_len == 1 else 1)
     head_dim_pad = max(16, _next_pow2(head_dim))
     k_cache, v_cache = kv_cache[:, 0], kv_cache[:, 1]

@@ -182,6 +182,23 @@ def test_num_splits_choice():
     assert choose_num_splits(1, 8, 640, 132) == 16  # short: one 64-key tile per split
     assert choose_num_splits(1, 8, 8192, 132) == 32  # long: up to ~2 waves of programs
     assert choose_num_splits(16, 8, 16384, 132) == 4
+    # A window or a local chunk bounds the keys a query reads, whatever the graph's bound on the
+    # context: 128 keys span at most two 128-key tiles.
+    assert choose_num_splits(1, 8, 8192, 132, tile_n=128, sliding_window=128) == 2
+    assert choose_num_splits(1, 8, 8192, 132, sliding_window=512) == 16
+    assert choose_num_splits(1, 8, 8192, 132, chunk_size=8192) == 32
+    assert choose_num_splits(1, 8, 640, 132, sliding_window=4096) == 16
+
+
+def test_windowed_decode_under_a_long_bound_with_the_default_splits():
+    """A CUDA graph's decode passes the model's length as the bound: a windowed layer's splits
+    follow its window (one 128-key tile's worth here, where the bound alone gives 32 splits), and
+    the outputs still match the reference."""
+    args, _ = make_case(DECODES, 8, 2, 64, 16, torch.bfloat16, window=24)
+    assert default_config(1, 64, 4, 16, sliding_window=24)["TILE_N"] == 128
+    assert choose_num_splits(3, 2, 4096, 132, 128) == 32
+    assert choose_num_splits(3, 2, 4096, 132, 128, sliding_window=24) == 1
+    check(dict(args, max_seq_len=4096))
 
 
 @pytest.mark.parametrize("window, chunk", [(0, 0), (6, 0), (0, 16)])
