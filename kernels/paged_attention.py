@@ -359,8 +359,9 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     splits against 11.2 with 8; 2,048 keys 13.1 us with 32 against 17.8 with 8; 8,192 keys 27.6
     against 55.7. 1 = no split. A query reads at most a window's keys (a local chunk's), which span
     one tile more than they fill: splits beyond those tiles would only write empty partials for the
-    merge to read (gpt-oss-120b, window 128, batch 1: 2 splits where the graph's bound gave 32, a
-    decode step 2.112-2.118 ms against 2.129-2.142, H200)."""
+    merge to read (gpt-oss-120b, window 128, 128-key tiles, batch 1: 2 splits where the graph's
+    bound of 1,024 tokens gave 8, and 4,096 or more 32; a decode step 2.112-2.118 ms against
+    2.129-2.142 at that bound, H200)."""
     if batch_fills_gpu(num_seqs, num_kv_heads, num_sms):
         return 1
     programs = num_seqs * num_kv_heads
