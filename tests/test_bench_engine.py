@@ -1,10 +1,12 @@
 """`distengine bench latency` and `bench throughput` on CPU with a tiny random Gemma-3-shaped
 model (the same code as on GPUs): vLLM's flags, our figure beside the roofline and transformers'
-generate(), JSON output; a dataset file; bad arguments refused. And the host-time benchmark."""
+generate(), JSON output; a dataset file; bad arguments refused. And the host-time benchmark, and
+`profile_decode`'s timed rounds against the roofline."""
 from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -168,6 +170,25 @@ def test_a_shape_cut_to_its_first_layers_runs_with_dummy_weights(tmp_path, capsy
     assert math.isfinite(json.loads(out.read_text())["results"][0]["decode_step_s"])
     assert main(args[:2] + ["--model", str(folder), "--num-layers", "4", "--device", "cpu"]) == 2
     assert "--num-layers changes a random model of --shape" in capsys.readouterr().err
+
+
+def test_profile_decode_times_rounds_against_the_roofline(tiny, capsys):
+    """`profile_decode` on CPU: each batch's rounds of timed steps against the roofline of the same
+    run, then the profiled steps; bad arguments exit with status 2 before an engine starts."""
+    from launch.bench.profile_decode import main as profile_decode
+    assert profile_decode([tiny, "--batch", "1", "2", "--input-len", "8", "--rounds", "2", "--steps", "3",
+                           "--profile-steps", "1", "--marginal", "--max-model-len", "64"]) == 0
+    out = capsys.readouterr().out
+    lines = re.findall(r"B=(\d) TP=1: decode step ([\d.-]+) ms \(2 x 3 steps, no profiler\) against a roofline of "
+                       r"([\d.-]+) ms: ([\d.-]+)x", out)
+    assert [b for b, *_ in lines] == ["1", "2"], out
+    assert all(float(step.split("-")[0]) > 0 and float(roof.split("-")[0]) > 0 for _, step, roof, _ in lines)
+    assert out.count("profiled: kernel time") == 2 and "share of the span" in out
+    for bad in (["--rounds", "0"], ["--input-len", "60"]):
+        with pytest.raises(SystemExit) as e:
+            profile_decode([tiny, "--no-profile", "--max-model-len", "64", *bad])
+        assert e.value.code == 2
+    assert "exceed --max-model-len 64" in capsys.readouterr().err
 
 
 def test_marginal_costs_split_the_span_between_kernels():
