@@ -29,11 +29,13 @@ import triton
 import triton.language as tl
 
 from kernels.activation import apply_act, fusable
+from kernels.fp8 import FP8_DTYPE, dequantize_fp8_ref
+from kernels.gemv import SCALE_BLOCK, SCALE_NONE, SCALE_ROW
 from kernels.moe_gemv import experts_gemv, takes as gemv_takes
 from kernels.paged_attention import _interpreter_bf16
 from kernels.pdl import pdl_args, pdl_wait
 
-__all__ = ["compile_align_variants", "fused_experts", "fused_experts_ref", "moe_align", "moe_align_kernel",
+__all__ = ["ExpertScales", "compile_align_variants", "fused_experts", "fused_experts_ref", "moe_align", "moe_align_kernel",
            "moe_align_torch", "moe_config", "tokens_per_tile_band"]
 
 
@@ -202,16 +204,34 @@ def moe_align_kernel(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
     return rows, block_expert
 
 
+@triton.jit
+def _as_operand(w, s_rows, n_ok, blk, DT: tl.constexpr, SCALE: tl.constexpr):
+    """A weight tile [BLOCK_N, BLOCK_K] as the product's operand in DT: FP8 values convert exactly;
+    with block scales (of the tile's rows at K block `blk`) dequantized and rounded to DT, the
+    numbers of the dense FP8 layers' prefill (`kernels.fp8.dequantize_fp8`, then the product).
+    Scaling each step's product instead held a second fp32 accumulator: 128 x 256 prefill tiles
+    spilled (one H200, Qwen3.6-35B-A3B's experts at 8,192 tokens, 179 ms a step against ~43 for
+    bf16 experts)."""
+    out = w
+    if SCALE == SCALE_BLOCK:
+        out = (w.to(tl.float32) * tl.load(s_rows + blk, mask=n_ok, other=0.0)[:, None]).to(DT)
+    elif SCALE == SCALE_ROW:
+        out = w.to(DT)
+    return out
+
+
 @triton.jit(do_not_specialize=["num_rows"])  # T*k changes with every prefill's length
-def _moe_gemm_kernel(a_ptr, w_ptr, b_ptr, c_ptr, rw_ptr, rows_ptr, bexp_ptr, N, K, num_rows, n_tiles,
-                     stride_am, stride_we, stride_wn, stride_be, stride_cm,
+def _moe_gemm_kernel(a_ptr, w_ptr, b_ptr, c_ptr, rw_ptr, rows_ptr, bexp_ptr, s_ptr, N, K, num_rows, n_tiles,
+                     stride_am, stride_we, stride_wn, stride_be, stride_cm, stride_se, stride_sn, BN_Q, BK_Q,
                      A_ROW_DIV: tl.constexpr, HAS_BIAS: tl.constexpr, MUL_ROUTED: tl.constexpr,
-                     ACT: tl.constexpr, GATED: tl.constexpr, PAIR_TILES: tl.constexpr,
+                     ACT: tl.constexpr, GATED: tl.constexpr, PAIR_TILES: tl.constexpr, SCALE: tl.constexpr,
                      DOT_F32: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of c[rows] = a[rows // A_ROW_DIV] @ w[e]^T (+ b[e]) (* rw[rows])
     for the tile's expert e. ACT >= 0 (`kernels.activation.apply_act`) applies the activation to
-    the tile; GATED: of w[e]'s rows n (gate) and N + n (up), c being [.., N]."""
+    the tile; GATED: of w[e]'s rows n (gate) and N + n (up), c being [.., N]. SCALE (FP8 weights,
+    `kernels.gemv`'s codes): one scale per row of w[e] (s [E, rows]), multiplying the sums, or one
+    per BN_Q x BK_Q block (s [E, rows / BN_Q, K / BK_Q]; a K step lies in one), see `_as_operand`."""
     pdl_wait(PDL)
     expert, rows, row_ok, pid_n, rn, n_ok = tile_of(rows_ptr, bexp_ptr, num_rows, n_tiles, N, BLOCK_M, BLOCK_N,
                                                     PAIR_TILES)
@@ -220,21 +240,32 @@ def _moe_gemm_kernel(a_ptr, w_ptr, b_ptr, c_ptr, rw_ptr, rows_ptr, bexp_ptr, N, 
     rk = tl.arange(0, BLOCK_K)
     a_rows = a_ptr + (rows // A_ROW_DIV).to(tl.int64)[:, None] * stride_am
     w_rows = w_ptr + expert * stride_we + rn.to(tl.int64)[:, None] * stride_wn
+    # (the interpreter rounds fp32 to bf16 toward zero: its bf16 products, already fp32, take the
+    # dequantized weights unrounded)
+    DT: tl.constexpr = tl.float32 if DOT_F32 else a_ptr.dtype.element_ty
+    s_gate = s_ptr + expert * stride_se + (rn // BN_Q) * stride_sn
+    s_up = s_ptr + expert * stride_se + ((N + rn) // BN_Q) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k in range(0, K, BLOCK_K):
         kk = k + rk
         k_ok = kk < K
         a = tl.load(a_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        w = _as_operand(tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0), s_gate, n_ok,
+                        k // BK_Q, DT, SCALE)
         if DOT_F32:
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
         if GATED:
-            wu = tl.load(w_rows + N * stride_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            wu = _as_operand(tl.load(w_rows + N * stride_wn + kk[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                                     other=0.0), s_up, n_ok, k // BK_Q, DT, SCALE)
             if DOT_F32:
                 wu = wu.to(tl.float32)
             up = tl.dot(a, tl.trans(wu), up, input_precision=PRECISION)
+    if SCALE == SCALE_ROW:
+        acc *= tl.load(s_gate, mask=n_ok, other=0.0)[None, :]
+        if GATED:
+            up *= tl.load(s_up, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + expert * stride_be + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if GATED:
@@ -281,25 +312,67 @@ def tokens_per_tile_band(num_experts: int, top_k: int) -> list[int]:
     return [1] + [-(-(band + 1) * num_experts // top_k) for band in ROW_BANDS]
 
 
+@dataclass(frozen=True)
+class ExpertScales:
+    """FP8 experts' scales (W = weight * scale, `kernels.fp8`): `block` (bn, bk) with w13 [E,
+    2I / bn, H / bk] and w2 [E, H / bn, I / bk] (whole blocks: a gate or up half, and a step of the
+    kernels' K loop, never shares one), or None with one scale per row, w13 [E, 2I], w2 [E, H]
+    (per-tensor scales served as per-row ones, as the FP8 linears do)."""
+    w13: torch.Tensor
+    w2: torch.Tensor
+    block: tuple[int, int] | None
+
+    def check(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        for name, w, s in (("w13", w13, self.w13), ("w2", w2, self.w2)):
+            if w.dtype != FP8_DTYPE:
+                raise TypeError(f"{name}: FP8 experts need {FP8_DTYPE} weights, got {w.dtype}")
+            if s.dtype != torch.float32 or s.stride(-1) != 1:
+                raise TypeError(f"{name}: FP8 expert scales must be float32 with contiguous rows, got {s.dtype} "
+                                f"strides {s.stride()}")
+            e, n, k = w.shape
+            if self.block is None:
+                want = (e, n)
+            else:
+                bn, bk = self.block
+                if n % bn or k % bk or bk % 16:
+                    raise ValueError(f"{name} {tuple(w.shape)}: FP8 scale blocks {self.block} must tile its rows "
+                                     f"and keys whole (and hold a multiple of 16 keys)")
+                want = (e, n // bn, k // bk)
+            if tuple(s.shape) != want:
+                raise ValueError(f"{name}: FP8 expert scales must be {want}, got {tuple(s.shape)}")
+
+    def of(self, which: str) -> torch.Tensor:
+        return self.w13 if which == "w13" else self.w2
+
+
 def _grouped_gemm(a, w, b, tiles: RowTiles, out, routed, a_row_div: int, cfg: dict,
-                  act: tuple[int, bool] | None = None) -> None:
+                  act: tuple[int, bool] | None = None, scale: torch.Tensor | None = None,
+                  block: tuple[int, int] | None = None) -> None:
     """out[rows] = a[rows // a_row_div] @ w[e]^T (+ b) (* routed); with `act` (`fusable`'s (ACT,
-    GATED)) its activation, of (gate, up) row pairs n and N + n when gated (out [rows, N])."""
+    GATED)) its activation, of (gate, up) row pairs n and N + n when gated (out [rows, N]). An FP8
+    w takes its `scale` (`ExpertScales`' w13 or w2, with `block`)."""
     k = w.shape[2]
     code, gated = act if act is not None else (-1, False)
     n = out.shape[1]
+    if scale is not None and block is not None:
+        cfg = dict(cfg, BLOCK_K=min(cfg["BLOCK_K"], block[1] & -block[1]))  # each K step in one block
     grid, n_tiles = grid_of(tiles, n, cfg["BLOCK_N"])
+    code_s = SCALE_NONE if scale is None else SCALE_ROW if block is None else SCALE_BLOCK
+    bn, bk = block if block is not None else (1, 1)
     _moe_gemm_kernel[grid](
-        a, w, b if b is not None else w, out, routed if routed is not None else out, tiles.rows, tiles.block_expert,
-        n, k, out.shape[0], n_tiles, a.stride(0), w.stride(0), w.stride(1), b.stride(0) if b is not None else 0,
-        out.stride(0), A_ROW_DIV=a_row_div, HAS_BIAS=b is not None, MUL_ROUTED=routed is not None,
-        ACT=code, GATED=gated, PAIR_TILES=tiles.pair_tiles, DOT_F32=_interpreter_bf16(a),
+        a, w, b if b is not None else a, out, routed if routed is not None else out, tiles.rows, tiles.block_expert,
+        scale if scale is not None else a, n, k, out.shape[0], n_tiles, a.stride(0), w.stride(0), w.stride(1),
+        b.stride(0) if b is not None else 0, out.stride(0), scale.stride(0) if scale is not None else 0,
+        scale.stride(1) if scale is not None else 0, bn, bk,
+        A_ROW_DIV=a_row_div, HAS_BIAS=b is not None, MUL_ROUTED=routed is not None,
+        ACT=code, GATED=gated, PAIR_TILES=tiles.pair_tiles, SCALE=code_s, DOT_F32=_interpreter_bf16(a),
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **pdl_args(a))
 
 
-def _check(x, w13, w2, topk_weights, topk_ids, b13, b2, weight_input: bool = False) -> None:
+def _check(x, w13, w2, topk_weights, topk_ids, b13, b2, weight_input: bool = False,
+           scales: ExpertScales | None = None) -> None:
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"x must be [T, H], w13 [E, 2I, H] (or [E, I, H]) and w2 [E, H, I], got {tuple(x.shape)}, "
                          f"{tuple(w13.shape)}, {tuple(w2.shape)}")
@@ -317,7 +390,11 @@ def _check(x, w13, w2, topk_weights, topk_ids, b13, b2, weight_input: bool = Fal
     for name, t in (("w13", w13), ("w2", w2), ("b13", b13), ("b2", b2)):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"{name} needs contiguous rows (last stride 1), got strides {t.stride()}")
-    if not (x.dtype == w13.dtype == w2.dtype):
+    if scales is not None:
+        scales.check(w13, w2)
+        if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise TypeError(f"FP8 experts take bf16, fp16 or fp32 activations, got {x.dtype}")
+    elif not (x.dtype == w13.dtype == w2.dtype):
         raise TypeError(f"x and the expert weights need one dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
 
 
@@ -346,7 +423,7 @@ def _sum_over_k(out: torch.Tensor, t: int, k: int) -> torch.Tensor:
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, act_and_mul, b13: torch.Tensor | None = None,
                   b2: torch.Tensor | None = None, config: dict | None = None,
-                  weight_input: bool = False) -> torch.Tensor:
+                  weight_input: bool = False, scales: ExpertScales | None = None) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], topk_weights / topk_ids
     [T, k] -> [T, H] in x's dtype; `act_and_mul` maps [R, 2I] -> [R, I] (e.g. silu(gate) * up).
     Experts without a gate (Nemotron-H's) have w13 [E, I, H] (up rows alone, told apart by w2's
@@ -354,8 +431,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     Ids must lie in [0, E) (the router's top-k). `weight_input`: the weights scale each pair's
     input, sum_j W2 act(W13 (w_tj x_t)), rather than its output. Without `config`, up to
     a few tokens through narrow experts run as GEMVs (`kernels.moe_gemv.takes`), the same numbers
-    in two launches."""
-    _check(x, w13, w2, topk_weights, topk_ids, b13, b2, weight_input)
+    in two launches. FP8 experts (`scales`) read their weights at one byte an element in both
+    ways, the products in x's dtype (grouped GEMMs) or fp32 (GEMVs)."""
+    _check(x, w13, w2, topk_weights, topk_ids, b13, b2, weight_input, scales)
     t, k = topk_ids.shape
     e, two_i, h = w13.shape
     if t == 0:
@@ -364,45 +442,59 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     if act is not None and two_i != w2.shape[2] * (2 if act[1] else 1):
         act = None
     if config is None and gemv_takes(t, w2.shape[2]):
-        return experts_gemv(x, w13, w2, topk_weights, topk_ids, act_and_mul, act, b13, b2, weight_input)
+        return experts_gemv(x, w13, w2, topk_weights, topk_ids, act_and_mul, act, b13, b2, weight_input,
+                            scales=scales)
     cfg = config or moe_config(t * k, e, x.element_size())
     tiles = row_tiles(topk_ids, e, cfg["BLOCK_M"])
     x = x if x.stride(1) == 1 else x.contiguous()
     routed = topk_weights.reshape(-1).contiguous()
     first_routed = routed if weight_input else None
+
+    def fp8(which: str) -> tuple[torch.Tensor | None, tuple[int, int] | None]:
+        return (None, None) if scales is None else (scales.of(which), scales.block)
+
     if act is not None and cfg["BLOCK_M"] <= 32:
         # Decode-sized steps apply the activation in the first launch: one launch a layer fewer. A
         # gated program reads BLOCK_N gate and BLOCK_N up rows: half the columns, as many rows.
         inter = torch.empty((t * k, w2.shape[2]), dtype=x.dtype, device=x.device)
         first = dict(cfg, BLOCK_N=cfg["BLOCK_N"] // 2) if act[1] else cfg
-        _grouped_gemm(x, w13, b13, tiles, inter, first_routed, k, first, act)
+        _grouped_gemm(x, w13, b13, tiles, inter, first_routed, k, first, act, *fp8("w13"))
     else:
         gate_up = torch.empty((t * k, two_i), dtype=x.dtype, device=x.device)
-        _grouped_gemm(x, w13, b13, tiles, gate_up, first_routed, k, cfg)
+        _grouped_gemm(x, w13, b13, tiles, gate_up, first_routed, k, cfg, None, *fp8("w13"))
         inter = act_and_mul(gate_up)
     out = torch.empty((t * k, h), dtype=x.dtype, device=x.device)
-    _grouped_gemm(inter, w2, b2, tiles, out, None if weight_input else routed, 1, cfg)
+    _grouped_gemm(inter, w2, b2, tiles, out, None if weight_input else routed, 1, cfg, None, *fp8("w2"))
     return _sum_over_k(out, t, k)
 
 
 def fused_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor, act_and_mul, b13: torch.Tensor | None = None,
-                      b2: torch.Tensor | None = None, weight_input: bool = False) -> torch.Tensor:
+                      b2: torch.Tensor | None = None, weight_input: bool = False,
+                      scales: ExpertScales | None = None) -> torch.Tensor:
     """The same sum as a loop over the experts that some token chose, in fp32 (fp64 for fp64
-    inputs); the activation's input and output rounded to x's dtype as the kernel's are."""
-    _check(x, w13, w2, topk_weights, topk_ids, b13, b2, weight_input)
+    inputs); the activation's input and output rounded to x's dtype as the kernel's are. FP8
+    experts are dequantized in that precision (`kernels.fp8.dequantize_fp8_ref`)."""
+    _check(x, w13, w2, topk_weights, topk_ids, b13, b2, weight_input, scales)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     t, k = topk_ids.shape
     out = torch.zeros((t, x.shape[1]), dtype=acc, device=x.device)
     flat = topk_ids.reshape(-1)
+
+    def weight(which: str, e: int) -> torch.Tensor:
+        w = (w13 if which == "w13" else w2)[e]
+        if scales is None:
+            return w.to(acc)
+        return dequantize_fp8_ref(w, scales.of(which)[e], scales.block, acc)
+
     for e in torch.unique(flat).tolist():
         pairs = (flat == e).nonzero().flatten()
         tokens = pairs // k
         w = topk_weights.reshape(-1)[pairs].to(acc)[:, None]
-        h = (x[tokens].to(acc) * w if weight_input else x[tokens].to(acc)) @ w13[e].to(acc).T
+        h = (x[tokens].to(acc) * w if weight_input else x[tokens].to(acc)) @ weight("w13", e).T
         if b13 is not None:
             h = h + b13[e].to(acc)
-        h = act_and_mul(h.to(x.dtype)).to(acc) @ w2[e].to(acc).T
+        h = act_and_mul(h.to(x.dtype)).to(acc) @ weight("w2", e).T
         if b2 is not None:
             h = h + b2[e].to(acc)
         out.index_add_(0, tokens, h if weight_input else h * w)

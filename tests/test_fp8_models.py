@@ -278,12 +278,14 @@ def test_dummy_fp8_weights_and_the_roofline_count_the_stored_bytes(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["fp8_block", "fp8_tensor", "ct_channel"])
-def test_fp8_checkpoint_on_gpu_greedy_equals_transformers(tmp_path, fmt):
-    """On a GPU in float32: one prompt decodes through the FP8 GEMV (in CUDA graphs), three through
-    the skinny GEMM; prefills dequantize for cuBLAS."""
+@pytest.mark.parametrize("fmt,family", [(fmt, "qwen3") for fmt in ("fp8_block", "fp8_tensor", "ct_channel")]
+                         + [("fp8_block", "qwen3_5_moe"), ("fp8_block", "qwen3_next"), ("ct_channel", "qwen3_5")])
+def test_fp8_checkpoint_on_gpu_greedy_equals_transformers(tmp_path, fmt, family):
+    """On a GPU in float32: one prompt decodes through the FP8 GEMV (in CUDA graphs; a Gated
+    DeltaNet's conv in its epilogue, the experts' GEMVs), three through the skinny GEMM (and the
+    experts' GEMVs); prefills dequantize for cuBLAS (the experts' grouped GEMMs in registers)."""
     from distengine import LLM, SamplingParams
-    hf = _quantized_checkpoint(tmp_path, fmt)
+    hf = _quantized_checkpoint(tmp_path, fmt) if family == "qwen3" else _deltanet_fp8_checkpoint(tmp_path, family, fmt)
     prompts = _prompts(3)
     greedy = SamplingParams(max_tokens=12, temperature=0)
     with LLM(str(tmp_path), device="cuda", dtype="float32", max_model_len=128) as llm:
@@ -294,25 +296,179 @@ def test_fp8_checkpoint_on_gpu_greedy_equals_transformers(tmp_path, fmt):
         assert o.outputs[0].token_ids == _hf_greedy(hf, p, 12)
 
 
-def test_fp8_experts_and_deltanet_projections_are_refused_by_name(tmp_path):
-    """Qwen3-Next's FP8 checkpoints store the routed experts and the Gated DeltaNet input
-    projections in FP8 too: not served, each refused naming its tensor before any data is read
-    (the attention and the shared expert's linears, left unquantized here, would load)."""
-    from tests.test_models import build
-    from workers.loader import WeightDtypeError, load_model
-    from workers.models.qwen3_next import Qwen3NextForCausalLM
+# ------------------------------------------------------------- Gated DeltaNet hybrids, as Qwen publishes them
+
+# Whole 128-blocks at TP=1 and 2: key and value heads of 128, hidden 256, experts of 256.
+DELTANET_FP8 = dict(vocab_size=300, hidden_size=256, intermediate_size=512, num_attention_heads=2,
+                    num_key_value_heads=2, head_dim=128, max_position_embeddings=512, num_hidden_layers=4,
+                    layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=128,
+                    linear_value_head_dim=128, linear_conv_kernel_dim=4, eos_token_id=None, initializer_range=0.05)
+DELTANET_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+                        shared_expert_intermediate_size=256)
+DELTANET_FAMILIES = {
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", DELTANET_EXPERTS),
+    "qwen3_next": ("Qwen3NextConfig", dict(DELTANET_EXPERTS, mlp_only_layers=[1])),  # interleaved in_proj_qkvz / ba
+    "qwen3_5": ("Qwen3_5TextConfig", {}),
+}
+# What Qwen's FP8 checkpoints store in FP8: the attention's, the DeltaNet's in_proj_qkv / in_proj_z /
+# in_proj_qkvz and out_proj, the MLPs', the experts' and the shared expert's linears; not in_proj_b /
+# in_proj_a / in_proj_ba, the routers, the shared expert's gate, the head.
+DELTANET_QUANTIZED = re.compile(r".*\.(q|k|v|o|gate|up|down|in_proj_qkv|in_proj_z|in_proj_qkvz|out)_proj\.weight$|"
+                                r".*\.(in_proj_qkv|in_proj_z|in_proj_qkvz)\.weight$")
+DELTANET_FORMATS = {
+    "fp8_block": ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+                   "modules_to_not_convert": ["lm_head", "embed_tokens", "linear_attn.in_proj_a", "linear_attn.in_proj_b",
+                                              "linear_attn.in_proj_ba", "shared_expert_gate"]},
+                  "weight_scale_inv", (128, 128)),
+    "ct_channel": (_ct("channel", ["lm_head", "re:.*in_proj_(a|b|ba)$", "re:.*mlp\\.gate$",
+                                   "re:.*shared_expert_gate$"]), "weight_scale", None),
+}
+
+
+def _deltanet_fp8_checkpoint(folder, family: str, fmt: str, seed: int = 0):
+    """A tiny Gated DeltaNet hybrid saved as Qwen publishes its FP8 checkpoints (the experts one
+    tensor each, with their scales), and transformers' model holding the weights they stand for."""
+    quant, scale_name, block = DELTANET_FORMATS[fmt]
+    cls_name, extra = DELTANET_FAMILIES[family]
+    if "modules_to_not_convert" in quant:  # the routers by name, as published (matched as substrings)
+        routers = [f"model.layers.{i}.mlp.gate" for i in range(4)
+                   if "num_experts" in extra and i not in extra.get("mlp_only_layers", ())]
+        quant = dict(quant, modules_to_not_convert=quant["modules_to_not_convert"] + routers)
+    config = getattr(transformers, cls_name)(**DELTANET_FP8, **extra)
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if "norm" in n:
+                p.copy_(torch.randn_like(p) * 0.5 + 1.0)
+
+    def quantized(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, s = quantize_fp8_ref(t, block)
+        full = s.repeat_interleave(128, 0)[:t.shape[0]].repeat_interleave(128, 1)[:, :t.shape[1]] if block \
+            else s[:, None]
+        return q, (s if block else s[:, None]), q.float() * full
+
+    state, float_state = {}, {}
+    for name, t in hf.state_dict().items():
+        t = t.contiguous()
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # stacked: one tensor an expert
+            base, which = name.rsplit(".", 1)
+            deq = torch.empty_like(t)
+            for e in range(t.shape[0]):
+                halves = {"gate": t[e, :t.shape[1] // 2], "up": t[e, t.shape[1] // 2:]} if which == "gate_up_proj" \
+                    else {"down": t[e]}
+                rows = []
+                for part, w in halves.items():
+                    q, s, d = quantized(w.contiguous())
+                    state[f"{base}.{e}.{part}_proj.weight"], state[f"{base}.{e}.{part}_proj.{scale_name}"] = q, s
+                    rows.append(d)
+                deq[e] = torch.cat(rows)
+            float_state[name] = deq
+        elif DELTANET_QUANTIZED.match(name):
+            q, s, d = quantized(t)
+            state[name], state[f"{name[:-len('weight')]}{scale_name}"] = q, s
+            float_state[name] = d
+        else:
+            state[name] = float_state[name] = t
+    hf.load_state_dict(float_state)
+    hf.config.quantization_config = quant
+    hf.config.architectures = [type(hf).__name__]
+    hf.config.save_pretrained(folder)
+    safetensors.save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return hf
+
+
+@pytest.mark.parametrize("family,fmt", [("qwen3_5_moe", "fp8_block"), ("qwen3_next", "fp8_block"),
+                                        ("qwen3_5", "ct_channel")])
+def test_deltanet_fp8_checkpoint_greedy_equals_transformers(tmp_path, family, fmt):
+    """Qwen3.5-MoE / Qwen3.6-MoE and Qwen3-Next FP8 checkpoints as published (block scales), and
+    a dense Qwen3.5 in compressed-tensors' channel scales: the experts and the DeltaNet's
+    projections held in FP8; greedy tokens with prefix hits on a shared prefix."""
+    from distengine import LLM, SamplingParams
+    hf = _deltanet_fp8_checkpoint(tmp_path, family, fmt)
+    with LLM(str(tmp_path), device="cpu", dtype="float32", max_model_len=512) as llm:
+        prompts = _prompts(3, shared=5 * llm.plan.block_size // 2)  # a state kept 2 blocks in: a hit
+        first = llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=10, temperature=0),
+                             use_tqdm=False)
+        rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]],
+                            SamplingParams(max_tokens=10, temperature=0), use_tqdm=False)
+    assert [o.num_cached_tokens for o in rest] == [2 * llm.plan.block_size] * 2, "the shared prefix hits"
+    for p, o in zip(prompts, first + rest):
+        assert o.outputs[0].token_ids == _hf_greedy(hf, p, 10)
+
+
+def test_deltanet_fp8_layers_hold_the_stored_bytes(tmp_path):
+    from workers.layers.moe_fp8 import Fp8FusedMoE
+    from workers.loader import load_model
+    from workers.models.qwen3_5 import Qwen3_5MoeForCausalLM
     from workers.parallel import TPGroup
-    hf, _ = build("qwen3_next")
-    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
-    expert, in_proj = "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.linear_attn.in_proj_qkvz.weight"
-    assert expert in state and in_proj in state, sorted(state)[:40]
-    for name in (expert, in_proj):
-        state[name] = state[name].to(FP8_DTYPE)
-    hf.config.quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic",
-                                     "modules_to_not_convert": ["lm_head", "self_attn", "linear_attn.out_proj",
-                                                                "shared_expert", "mlp.gate", "layers.1.mlp"]}
-    hf.config.save_pretrained(tmp_path)
+    _deltanet_fp8_checkpoint(tmp_path, "qwen3_5_moe", "fp8_block")
+    model = load_model(tmp_path, Qwen3_5MoeForCausalLM, TPGroup(), "float32")
+    gdn, moe = model.model.layers[0].linear_attn, model.model.layers[0].mlp
+    assert gdn.in_proj.weight.dtype == FP8_DTYPE and gdn.in_proj.weight.shape == (1024 + 512, 256)
+    assert gdn.in_proj.weight_scale_inv.shape == (12, 2) and gdn.in_proj.tail.dtype == torch.float32
+    assert gdn.out_proj.weight.dtype == FP8_DTYPE
+    assert isinstance(moe.experts, Fp8FusedMoE) and moe.experts.w13.dtype == moe.experts.w2.dtype == FP8_DTYPE
+    assert moe.experts.w13_scale.shape == (5, 4, 2) and moe.experts.w2_scale.shape == (5, 2, 2)  # 4 experts + shared
+    assert moe.gate.weight.dtype == torch.float32
+
+
+def test_deltanet_fp8_checkpoint_tp2_on_ray_equals_transformers(tmp_path, ray_cluster):  # noqa: F811
+    """Each rank's key and value heads of the FP8 projection with their scale blocks, its share of
+    every expert and of the shared expert."""
+    from distengine import LLM, SamplingParams
+    hf = _deltanet_fp8_checkpoint(tmp_path, "qwen3_5_moe", "fp8_block", seed=1)
+    prompts = _prompts(2)
+    with LLM(str(tmp_path), tensor_parallel_size=2, device="cpu", dtype="float32", max_model_len=128) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=10, temperature=0),
+                            use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == _hf_greedy(hf, p, 10)
+
+
+def test_deltanet_fp8_refusals_name_what_is_not_served(tmp_path):
+    """FP8 in_proj_b / in_proj_a (no whole scale block), FP8 experts stored stacked, and a TP share
+    of the experts that cuts a scale block."""
+    from workers.loader import MissingWeightsError, WeightDtypeError, load_model
+    from workers.models.qwen3_5 import Qwen3_5MoeForCausalLM
+    from workers.parallel import TPGroup
+    _deltanet_fp8_checkpoint(tmp_path, "qwen3_5_moe", "fp8_block")
+    state = safetensors.load_file(str(tmp_path / "model.safetensors"))
+    good = dict(state)
+    b = "model.layers.0.linear_attn.in_proj_b.weight"
+    state[b] = state[b].to(FP8_DTYPE)
     safetensors.save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(WeightDtypeError, match=r"2 checkpoint tensors .*in_proj_qkvz.weight is stored in FP8 "
-                                               r".*experts.gate_up_proj is stored in FP8"):
-        load_model(tmp_path, Qwen3NextForCausalLM, TPGroup(), "float32")
+    with pytest.raises(WeightDtypeError, match=re.escape(f"{b} is stored in FP8 (F8_E4M3) but is not served in FP8")):
+        load_model(tmp_path, Qwen3_5MoeForCausalLM, TPGroup(), "float32")
+    stacked = {k: v for k, v in good.items() if ".experts." not in k or not k.split(".experts.")[1][0].isdigit()}
+    stacked["model.layers.0.mlp.experts.gate_up_proj"] = torch.zeros(4, 512, 256).to(FP8_DTYPE)
+    safetensors.save_file(stacked, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(MissingWeightsError, match=r"model\.layers\.0\.mlp\.experts\.0\.gate_proj\.weight"):
+        load_model(tmp_path, Qwen3_5MoeForCausalLM, TPGroup(), "float32")
+    from distengine.quantization import read_quantization_config
+    from workers.layers.moe_fp8 import Fp8FusedMoE
+    quant = read_quantization_config({"quantization_config": DELTANET_FORMATS["fp8_block"][0]})
+    with pytest.raises(ValueError, match=r"FP8 experts in \(128, 128\) scale blocks need a share of the intermediate "
+                                         r"size in whole blocks, got 64 \(tensor-parallel size 4\)"):
+        Fp8FusedMoE(4, 2, 256, 256, "silu", _Rank(4, 1), torch.float32, torch.device("cpu"), "m.experts", quant=quant)
+
+
+def test_deltanet_dummy_fp8_weights_are_stored_as_published(tmp_path):
+    """`--load-format dummy --quantization fp8` (the benchmarks' way): the experts and the
+    DeltaNet's [q | k | v | z] in FP8 with scales that keep the weights near +-1e-3, [b | a] and
+    the router in the model's dtype, as Qwen's FP8 checkpoints store them."""
+    from kernels.fp8 import FP8_MAX
+    from workers.layers.moe_fp8 import Fp8FusedMoE
+    from workers.loader import dummy_model
+    from workers.models.qwen3_5 import Qwen3_5MoeForCausalLM
+    from workers.parallel import TPGroup
+    config = transformers.Qwen3_5MoeTextConfig(**DELTANET_FP8, **DELTANET_EXPERTS)
+    config.architectures = ["Qwen3_5MoeForCausalLM"]
+    config.save_pretrained(tmp_path)
+    model = dummy_model(tmp_path, Qwen3_5MoeForCausalLM, TPGroup(), "float32", quantization="fp8")
+    gdn, moe = model.model.layers[0].linear_attn, model.model.layers[0].mlp
+    assert gdn.in_proj.weight.dtype == FP8_DTYPE and gdn.in_proj.tail.dtype == torch.float32
+    assert isinstance(moe.experts, Fp8FusedMoE) and moe.gate.weight.dtype == torch.float32
+    for scale in (gdn.in_proj.weight_scale_inv, moe.experts.w13_scale, moe.experts.w2_scale):
+        assert 0.5e-3 / FP8_MAX <= scale.min() and scale.max() <= 1.5e-3 / FP8_MAX

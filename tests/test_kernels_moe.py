@@ -171,7 +171,7 @@ def test_few_tokens_run_as_gemvs(dtype, t, e, k, h, inter, monkeypatch):
     """Up to GEMV_MAX_TOKENS tokens `fused_experts` takes the GEMV path, with biases, against the
     float64 loop and the grouped GEMMs; an expert no token chose holds NaN and is never read."""
     taken = []
-    monkeypatch.setattr(fused_moe, "experts_gemv", lambda *a: taken.append(1) or experts_gemv(*a))
+    monkeypatch.setattr(fused_moe, "experts_gemv", lambda *a, **k: taken.append(1) or experts_gemv(*a, **k))
     g = torch.Generator().manual_seed(t + e)
     x = torch.randn(t, h, generator=g).to(DEVICE, dtype)
     w13, w2 = expert_weights(e, inter, h, dtype, seed=e)
@@ -195,7 +195,7 @@ def test_gemv_path_variants(variant, monkeypatch):
     (relu^2), router weights on the input, and an activation it cannot fuse (run after the raw
     gate/up product)."""
     taken = []
-    monkeypatch.setattr(fused_moe, "experts_gemv", lambda *a: taken.append(1) or experts_gemv(*a))
+    monkeypatch.setattr(fused_moe, "experts_gemv", lambda *a, **k: taken.append(1) or experts_gemv(*a, **k))
     t, e, k, h, inter = 3, 6, 2, 64, 32
     x = torch.randn(t, h, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     w13, w2 = expert_weights(e, inter, h, torch.float32, seed=4)
@@ -251,7 +251,7 @@ def test_wide_experts_and_more_tokens_take_the_grouped_gemms(monkeypatch):
     """Past GEMV_MAX_TOKENS tokens, or with experts wider than GEMV_MAX_INTERMEDIATE, the op
     runs the grouped GEMMs (still right)."""
     taken = []
-    monkeypatch.setattr(fused_moe, "experts_gemv", lambda *a: taken.append(1) or experts_gemv(*a))
+    monkeypatch.setattr(fused_moe, "experts_gemv", lambda *a, **k: taken.append(1) or experts_gemv(*a, **k))
     for t, inter in ((1, GEMV_MAX_INTERMEDIATE + 8), (GEMV_MAX_TOKENS + 1, 16)):
         w13, w2 = expert_weights(4, inter, 32, torch.float32, seed=t)
         x = torch.randn(t, 32, generator=torch.Generator().manual_seed(t)).to(DEVICE)

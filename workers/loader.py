@@ -173,7 +173,7 @@ def check_weight_dtypes(expected: Collection[str], found: dict[str, str],
                         quant: QuantizationConfig | None) -> None:
     """Raise WeightDtypeError unless exactly the weights the model holds in FP8 (those beside
     which it expects a scale tensor) are stored in FP8 (float8_e4m3fn): an FP8 embedding, head,
-    expert or Mamba input projection, say, is refused by name before any data is read."""
+    router or Mamba input projection, say, is refused by name before any data is read."""
     scale = quant.scale_name if quant is not None else None
     ours = {n for n in expected if scale and n.endswith(".weight") and f"{n[:-len('weight')]}{scale}" in expected}
     wrong = []
@@ -183,8 +183,9 @@ def check_weight_dtypes(expected: Collection[str], found: dict[str, str],
             wrong.append(f"{name} is stored as {found[name]}, but the quantization_config makes it FP8 (F8_E4M3)")
         elif fp8 and name not in ours:
             wrong.append(f"{name} is stored in FP8 ({found[name]}) but is not served in FP8 (FP8 weights are "
-                         f"served for the linear layers that the quantization_config quantizes; not embeddings, "
-                         f"heads, MoE experts or routers, Mamba / Gated DeltaNet input projections)")
+                         f"served for the linear layers that the quantization_config quantizes, and Qwen3-Next / "
+                         f"Qwen3.5-MoE experts; not embeddings, heads, routers, other families' experts, Mamba "
+                         f"input projections or the Gated DeltaNet's b / a projections)")
     if wrong:
         raise WeightDtypeError(f"{len(wrong)} checkpoint tensors have a dtype the model does not take: {_some(wrong)}")
 

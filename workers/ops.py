@@ -192,20 +192,23 @@ def _cublas(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
                   bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                  norm: GatedRMSNorm | None = None, gate: torch.Tensor | None = None, act=None) -> torch.Tensor:
+                  norm: GatedRMSNorm | None = None, gate: torch.Tensor | None = None, act=None,
+                  conv: ConvStep | None = None) -> torch.Tensor:
     """`linear_op` for an FP8 weight and its scales (kernels.fp8): up to 128 rows on a GPU the
     GEMV / skinny GEMM dequantize in registers, reading the weight at one byte an element; more
     rows (prefill, big decode batches) dequantize the weight to x's dtype for cuBLAS; on CPU the
-    torch references."""
+    torch references. `conv` as `linear_op`'s (in the one-row GEMV's epilogue)."""
     x, norm = _norm_first(x, norm, weight.shape[0])
     x, gate = _gate_first(x, gate)
     x, code = _act_first(x, act)
     if _one_row(x):
-        return gemv(x, weight, bias, out=out, weight_scale=scale, block_size=block, norm=norm, gate=gate, act=code)
+        return gemv(x, weight, bias, out=out, weight_scale=scale, block_size=block, norm=norm, gate=gate, act=code,
+                    conv=conv)
     if x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= FP8_SKINNY_MAX_ROWS:
-        return skinny_gemm(x, weight, bias, out=out, weight_scale=scale, block_size=block)
+        y = skinny_gemm(x, weight, bias, out=out, weight_scale=scale, block_size=block)
+        return y if conv is None else conv.apply(y)
     w = (dequantize_fp8 if x.is_cuda else dequantize_fp8_ref)(weight, scale, block, x.dtype)
-    return linear_op(x, w, bias, out=out)
+    return linear_op(x, w, bias, out=out, conv=conv)
 
 
 def cudnn_attention_available(device: torch.device) -> bool:

@@ -5,7 +5,7 @@ second (`kernels.bench.roofline.matmul_rate`: a GPU at its power limit lowers it
 fraction of a second of products).
 
     python -m launch.bench.profile_prefill MODEL_DIR [--tokens 2048 8192] [--input-len 512] [--load-format dummy]
-        [--top 12]
+        [--quantization fp8] [--top 12]
 
 Each case queues enough prompts of --input-len tokens that every profiled step is a full prefill
 step of --tokens tokens (max_num_batched_tokens), with no decodes beside it.
@@ -49,6 +49,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--load-format", default="auto")
+    p.add_argument("--quantization", default=None, choices=["fp8"], help="as `bench latency --quantization`")
     p.add_argument("--top", type=int, default=12, help="kernels listed per case")
     args = p.parse_args()
     rate = matmul_rate("cuda")
@@ -58,7 +59,8 @@ def main() -> int:
     for tokens in args.tokens:
         steps, timed = 6, 2
         n = tokens * (steps + timed + 2) // args.input_len
-        with LLM(args.model, load_format=args.load_format, max_model_len=args.input_len + 8,
+        with LLM(args.model, load_format=args.load_format, quantization=args.quantization,
+                 max_model_len=args.input_len + 8,
                  max_num_batched_tokens=tokens, max_num_seqs=max(n, 1)) as llm:
             # The products of a prefill token: every weight but the embedding table and the LM head
             # (it runs on each prompt's last token only); of routed experts, the k of E a token uses.

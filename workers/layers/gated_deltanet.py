@@ -30,15 +30,18 @@ import torch
 from torch import nn
 
 from distengine.model_config import DeltaNetShape, StateLayout
+from distengine.quantization import BLOCK, CHANNEL
+from kernels.fp8 import FP8_DTYPE, scale_shape
 from kernels.gated_delta import GDN_MAX_CHUNK
 from kernels.gated_rmsnorm import GatedRMSNorm
 from kernels.mamba_conv import ConvStep
 from kernels.mamba_ssd import SSD_MAX_CHUNK
 from workers.layers.attention import AttentionMetadata
-from workers.layers.linear import RowParallelLinear
+from workers.layers.linear import Fp8Layout, RowParallelLinear, block_rows, linear_quantization
 from workers.layers.mamba import Segmented
 from workers.layers.pooled_state import PooledStateLayer
-from workers.ops import causal_conv1d_varlen_op, gated_delta_update_op, gated_delta_varlen_op, linear_op
+from workers.ops import (causal_conv1d_varlen_op, fp8_linear_op, gated_delta_update_op, gated_delta_varlen_op,
+                         linear_op)
 from workers.parallel import TPGroup
 
 # The host cuts one set of prefill chunks for every state layer (`workers/input_batch.py`, sized
@@ -48,24 +51,65 @@ assert SSD_MAX_CHUNK <= GDN_MAX_CHUNK, (SSD_MAX_CHUNK, GDN_MAX_CHUNK)
 # The checkpoint's projection tensors, by layout: the part names are the tensors' names
 # (`in_proj_<part>.weight`).
 LAYOUTS = {"split": ("qkv", "z", "b", "a"), "interleaved": ("qkvz", "ba")}
+TAIL_PARTS = ("b", "a", "ba")  # [b | a]: a matrix of their own beside FP8 [q | k | v | z]
 
 
 class DeltaNetProjection(nn.Module):
-    """This rank's rows of [q | k | v | z | b | a] in one matrix, filled from the checkpoint's
-    tensors of its `layout` (`parts`; `weight_loader`'s shard: the part name)."""
+    """This rank's rows of [q | k | v | z | b | a] in one matrix `weight`, filled from the
+    checkpoint's tensors of its `layout` (`parts`; `weight_loader`'s shard: the part name).
+
+    From an FP8 checkpoint (Qwen's publish in_proj_qkv / in_proj_z / in_proj_qkvz in FP8 and
+    in_proj_b / in_proj_a / in_proj_ba in bf16) `weight` holds [q | k | v | z] in FP8 with its
+    scales (the checkpoint's `scale_name`, as `workers.layers.linear`'s FP8 layers keep them:
+    blocks, or one per row) and `tail` [b | a] in the model's dtype: two products a step. b and a
+    are served in the model's dtype only (their few rows are no whole FP8 block)."""
 
     def __init__(self, hidden: int, shape: DeltaNetShape, tp: TPGroup, dtype, device, name: str,
                  layout: str = "split") -> None:
         super().__init__()
         if layout not in LAYOUTS:
             raise ValueError(f"{name}: projection layout {layout!r} is not one of {', '.join(LAYOUTS)}")
-        self.hidden, self.name, self.parts = hidden, name, LAYOUTS[layout]
+        self.hidden, self.name, self.parts, self.tp = hidden, name, LAYOUTS[layout], tp
         self.Hk, self.Hv, self.K, self.V = shape.num_k_heads, shape.num_v_heads, shape.k_dim, shape.v_dim
         self.hk, self.hv = shape.heads_per_rank(tp.world_size)
         self.k0, self.v0 = tp.rank * self.hk, tp.rank * self.hv  # this rank's first key / value head
         self.sizes = [self.hk * self.K, self.hk * self.K, self.hv * self.V, self.hv * self.V, self.hv, self.hv]
-        self.weight = nn.Parameter(torch.empty(sum(self.sizes), hidden, dtype=dtype, device=device),
+        self.fp8 = self._fp8_layout()
+        main = sum(self.sizes[:4]) if self.fp8 is not None else sum(self.sizes)
+        self.weight = nn.Parameter(torch.empty(main, hidden, dtype=FP8_DTYPE if self.fp8 else dtype, device=device),
                                    requires_grad=False)
+        self.tail = None
+        if self.fp8 is not None:
+            self.tail = nn.Parameter(torch.empty(2 * self.hv, hidden, dtype=dtype, device=device), requires_grad=False)
+            scale = torch.empty(scale_shape(main, hidden, self.fp8.block), dtype=torch.float32, device=device)
+            setattr(self, self.fp8.scale_name, nn.Parameter(scale, requires_grad=False))
+            for part in self.main_parts() if self.fp8.block is not None else ():
+                self._block_rows(part)  # a tensor-parallel share that cuts a scale block: refused now
+
+    def main_parts(self) -> tuple[str, ...]:
+        return tuple(p for p in self.parts if p not in TAIL_PARTS)
+
+    def _fp8_layout(self) -> Fp8Layout | None:
+        quant = linear_quantization()
+        if quant is None:
+            return None
+        quantized = {p: quant.quantizes(f"{self.name}_{p}") for p in self.main_parts()}
+        if any(quantized.values()) and not all(quantized.values()):
+            raise ValueError(f"{self.name}: the quantization_config quantizes {[p for p, q in quantized.items() if q]} "
+                             f"but not {[p for p, q in quantized.items() if not q]}; they are one matrix here")
+        if not any(quantized.values()):
+            return None
+        return Fp8Layout(quant.scale_name, quant.block_size if quant.strategy == BLOCK else None, quant.strategy)
+
+    @property
+    def fp8_scale(self) -> torch.Tensor | None:
+        return None if self.fp8 is None else getattr(self, self.fp8.scale_name)
+
+    def param_of(self, part: str, scale: bool) -> str:
+        """Our parameter that checkpoint tensor in_proj_<part>.weight (or its scale) fills."""
+        if self.fp8 is not None and part in TAIL_PARTS:
+            return "tail"  # (a scale of b / a has no place: the dtype check refuses FP8 there)
+        return self.fp8.scale_name if scale and self.fp8 is not None else "weight"
 
     def part_shapes(self, part: str) -> tuple[int, int]:
         """The full (unsharded) shape of the checkpoint tensor `in_proj_<part>`."""
@@ -74,33 +118,75 @@ class DeltaNetProjection(nn.Module):
                 "qkvz": 2 * Hk * K + 2 * Hv * V, "ba": 2 * Hv}[part]
         return (rows, self.hidden)
 
+    def checkpoint_tensors(self) -> dict[str, tuple[int, ...]]:
+        """The checkpoint tensors (names after `in_proj`) that fill this projection, with their shapes."""
+        out: dict[str, tuple[int, ...]] = {}
+        for part in self.parts:
+            rows, cols = self.part_shapes(part)
+            out[f"_{part}.weight"] = (rows, cols)
+            if self.fp8 is not None and part not in TAIL_PARTS:
+                b = self.fp8.block
+                out[f"_{part}.{self.fp8.scale_name}"] = scale_shape(rows, cols, b) if b is not None else \
+                    (rows, 1) if self.fp8.strategy == CHANNEL else ()
+        return out
+
+    def row_map(self, part: str) -> tuple[int, torch.Tensor]:
+        """(the first row of its parameter that the part fills, the part's rows it takes, in order)."""
+        K, V, hk, hv, k0, v0 = self.K, self.V, self.hk, self.hv, self.k0, self.v0
+        kv, r = self.Hk * K, self.Hv // self.Hk
+
+        def span(start: int, n: int) -> torch.Tensor:
+            return torch.arange(start, start + n)
+
+        tail = 0 if self.fp8 is not None else sum(self.sizes[:4])
+        if part == "qkv":
+            return 0, torch.cat([span(k0 * K, hk * K), span(kv + k0 * K, hk * K), span(2 * kv + v0 * V, hv * V)])
+        if part == "z":
+            return sum(self.sizes[:3]), span(v0 * V, hv * V)
+        if part in ("b", "a"):
+            return tail + (0 if part == "b" else hv), span(v0, hv)
+        groups = torch.arange(k0, k0 + hk)[:, None]
+        if part == "qkvz":  # per key head group: [q (K) | k (K) | v (r V) | z (r V)]
+            dst, g = 0, groups * (2 * K + 2 * r * V)
+            segments = [(0, K), (K, K), (2 * K, r * V), (2 * K + r * V, r * V)]
+        else:  # "ba", per key head group: [b (r) | a (r)]
+            dst, g, segments = tail, groups * 2 * r, [(0, r), (r, r)]
+        return dst, torch.cat([(g + torch.arange(o, o + n)).flatten() for o, n in segments])
+
+    def _block_rows(self, part: str) -> tuple[int, torch.Tensor]:
+        dst, src = self.row_map(part)
+        return block_rows(f"{self.name}_{part}", dst, src, self.part_shapes(part)[0], self.weight.shape[0],
+                          self.fp8.block, self.tp.world_size)
+
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard: str | None = None) -> None:
         if shard not in self.parts:
             raise ValueError(f"{self.name}: no projection part {shard!r} (this layout's: {', '.join(self.parts)})")
+        label = f"{self.name}_{shard}"
+        if self.fp8 is not None and param is self.fp8_scale:
+            want = self.checkpoint_tensors()[f"_{shard}.{self.fp8.scale_name}"]
+            if tuple(full.shape) != want and not (want == () and full.numel() == 1):
+                raise ValueError(f"{label}: scale tensor has shape {tuple(full.shape)}, expected {want}")
+            if self.fp8.block is not None:
+                dst, src = self._block_rows(shard)
+            else:
+                dst, src = self.row_map(shard)
+                full = full.reshape(-1).expand(self.part_shapes(shard)[0]) if full.numel() == 1 else full.reshape(-1)
+            param.data.narrow(0, dst, len(src)).copy_(full.index_select(0, src))
+            return
         want = self.part_shapes(shard)
         if tuple(full.shape) != want:
-            raise ValueError(f"{self.name} (in_proj_{shard}): checkpoint tensor has shape {tuple(full.shape)}, "
-                             f"expected {want}")
-        Hk, K, V, hk, hv, k0, v0 = self.Hk, self.K, self.V, self.hk, self.hv, self.k0, self.v0
-        kv = Hk * K
-        if shard == "qkv":
-            parts = {0: full.narrow(0, k0 * K, hk * K), 1: full.narrow(0, kv + k0 * K, hk * K),
-                     2: full.narrow(0, 2 * kv + v0 * V, hv * V)}
-        elif shard == "z":
-            parts = {3: full.narrow(0, v0 * V, hv * V)}
-        elif shard in ("b", "a"):
-            parts = {4 if shard == "b" else 5: full.narrow(0, v0, hv)}
-        elif shard == "qkvz":  # per key head group: [q (K) | k (K) | v (r V) | z (r V)]
-            r = self.Hv // Hk
-            g = full.unflatten(0, (Hk, 2 * K + 2 * r * V)).narrow(0, k0, hk)
-            parts = {0: g[:, :K], 1: g[:, K:2 * K], 2: g[:, 2 * K:2 * K + r * V], 3: g[:, 2 * K + r * V:]}
-        else:  # "ba", per key head group: [b (r) | a (r)]
-            r = self.Hv // Hk
-            g = full.unflatten(0, (Hk, 2 * r)).narrow(0, k0, hk)
-            parts = {4: g[:, :r], 5: g[:, r:]}
-        offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
-        for i, rows in parts.items():
-            param.data.narrow(0, offsets[i], self.sizes[i]).copy_(rows.reshape(self.sizes[i], self.hidden))
+            raise ValueError(f"{label}: checkpoint tensor has shape {tuple(full.shape)}, expected {want}")
+        dst, src = self.row_map(shard)
+        param.data.narrow(0, dst, len(src)).copy_(full.index_select(0, src))
+
+    def forward(self, x: torch.Tensor, conv: ConvStep | None) -> tuple[torch.Tensor, ...]:
+        """(q|k|v, z, b, a) of x, the conv's columns through `conv` when given (a decode step)."""
+        hv, V = self.hv, self.V
+        conv_dim = sum(self.sizes[:3])
+        if self.fp8 is None:
+            return linear_op(x, self.weight, conv=conv).split([conv_dim, hv * V, hv, hv], dim=-1)
+        main = fp8_linear_op(x, self.weight, self.fp8_scale, self.fp8.block, conv=conv)
+        return (*main.split([conv_dim, hv * V], dim=-1), *linear_op(x, self.tail).split([hv, hv], dim=-1))
 
 
 class HeadGatedRMSNorm(nn.Module):
@@ -182,8 +268,7 @@ class GatedDeltaNet(PooledStateLayer):
         w = self.conv1d.weight.view(self.conv_dim, self.d_conv)
         # A decode step's conv runs on the projection's q, k and v columns (at one row inside its GEMV).
         conv = ConvStep(w, None, self.conv_state, m.init_pages[j], m.write_pages[j]) if m.decode else None
-        proj = linear_op(x, self.in_proj.weight, conv=conv)
-        qkv, z, b, a = proj.split([self.conv_dim, hv * V, hv, hv], dim=-1)
+        qkv, z, b, a = self.in_proj(x, conv)
         if not m.decode:
             qkv = causal_conv1d_varlen_op(qkv, w, None, self.conv_state, meta.query_start_loc, m.init_pages[j],
                                           m.chunk_start, m.chunk_seq, m.chunk_pages[j])

@@ -65,6 +65,25 @@ class Fp8Layout:
     strategy: str
 
 
+def block_rows(label: str, dst: int, src: torch.Tensor, rows: int, weight_rows: int, block: tuple[int, int],
+               tp_size: int) -> tuple[int, torch.Tensor]:
+    """A row map (the first row `dst` of a weight of `weight_rows` that a checkpoint part of `rows`
+    rows fills, from its rows `src`, in order) in scale blocks: (the first block row it fills,
+    the part's block rows it takes). The rows taken must be whole aligned blocks (a part's last,
+    partial block may end the weight), else a ValueError naming `label`."""
+    bn = block[0]
+    n = len(src)
+    starts = src[::bn]
+    whole = (dst % bn == 0 and bool((starts % bn == 0).all())
+             and torch.equal(src, (starts[:, None] + torch.arange(bn)).flatten()[:n])
+             and (n % bn == 0 or (int(src[-1]) == rows - 1 and dst + n == weight_rows)))
+    if not whole:
+        raise ValueError(f"{label}: this rank's {n} of {rows} output rows cut the checkpoint's {block} FP8 scale "
+                         f"blocks (tensor-parallel size {tp_size}); use a tensor-parallel size whose share is whole "
+                         f"blocks")
+    return dst // bn, starts // bn
+
+
 def _check_shape(name: str, got: torch.Size, want: tuple[int, ...]) -> None:
     if tuple(got) != tuple(want) and not (want == () and got.numel() == 1):  # per-tensor scales: [] or [1]
         raise ValueError(f"{name}: checkpoint tensor has shape {tuple(got)}, expected {tuple(want)}")
@@ -169,20 +188,9 @@ class ColumnParallelLinear(_ParallelLinear):
         return 0, torch.arange(self.out_start, self.out_start + self.out_size)
 
     def _block_rows(self, shard) -> tuple[int, torch.Tensor]:
-        """`row_map` in scale blocks: the rows taken must be whole aligned blocks (a part's last,
-        partial block may end a rank's weight)."""
-        bn = self.fp8.block[0]
         dst, src = self.row_map(shard)
-        n, rows = len(src), self.part_rows(shard)
-        starts = src[::bn]
-        whole = (dst % bn == 0 and bool((starts % bn == 0).all())
-                 and torch.equal(src, (starts[:, None] + torch.arange(bn)).flatten()[:n])
-                 and (n % bn == 0 or (int(src[-1]) == rows - 1 and dst + n == self.weight.shape[0])))
-        if not whole:
-            raise ValueError(f"{self.name}{'' if shard is None else f'[{shard}]'}: this rank's {n} of {rows} output "
-                             f"rows cut the checkpoint's {self.fp8.block} FP8 scale blocks (tensor-parallel size "
-                             f"{self.tp.world_size}); use a tensor-parallel size whose share is whole blocks")
-        return dst // bn, starts // bn
+        return block_rows(f"{self.name}{'' if shard is None else f'[{shard}]'}", dst, src, self.part_rows(shard),
+                          self.weight.shape[0], self.fp8.block, self.tp.world_size)
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard=None) -> None:
         rows = self.part_rows(shard)

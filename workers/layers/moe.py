@@ -37,6 +37,10 @@ from workers.ops import (act_and_mul, fused_experts_op, linear_op, topk_sigmoid_
 from workers.parallel import TPGroup, split_evenly
 
 
+# The scale tensors beside an FP8 weight, by format (`distengine.quantization`'s scale names).
+SCALE_SUFFIX = "_scale_inv|_scale"
+
+
 @dataclass(frozen=True)
 class ExpertWeightNames:
     """A routed-expert block's checkpoint tensors in their two layouts, mapped to FusedMoE's
@@ -54,7 +58,7 @@ class ExpertWeightNames:
 
     @cached_property
     def _per_expert(self) -> re.Pattern:
-        return re.compile(rf"^(.*\.{self.block})\.(\d+)\.({'|'.join(self._parts)})_proj\.weight$")
+        return re.compile(rf"^(.*\.{self.block})\.(\d+)\.({'|'.join(self._parts)})_proj\.weight({SCALE_SUFFIX})?$")
 
     @cached_property
     def _stacked(self) -> re.Pattern:
@@ -62,11 +66,12 @@ class ExpertWeightNames:
 
     def param(self, name: str) -> tuple[str, object] | None:
         """(our parameter, its loader's shard: (expert, half) one expert at a time, None stacked),
-        or None for a tensor of no expert."""
+        or None for a tensor of no expert. An FP8 expert's scale tensor (`weight_scale_inv` or
+        `weight_scale` beside its weight) fills `w13_scale` / `w2_scale` (`Fp8FusedMoE`)."""
         m = self._per_expert.match(name)
         if m:
             ours, half = self._parts[m[3]]
-            return f"{m[1]}.{ours}", (int(m[2]), half)
+            return f"{m[1]}.{ours}{'_scale' if m[4] else ''}", (int(m[2]), half)
         m = self._stacked.match(name)
         if m:
             return f"{m[1]}.{'w2' if m[2] == 'down' else 'w13'}", None

@@ -32,8 +32,9 @@ from torch import nn
 
 from distengine.model_config import FULL, LINEAR
 from workers.layers.gated_deltanet import DeltaNetProjection, GatedDeltaNet
-from workers.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from workers.layers.moe import ExpertWeightNames, FusedMoE, Router
+from workers.layers.linear import MergedColumnParallelLinear, RowParallelLinear, linear_quantization
+from workers.layers.moe import SCALE_SUFFIX, ExpertWeightNames, FusedMoE, Router
+from workers.layers.moe_fp8 import Fp8FusedMoE, fp8_experts
 from workers.models.base import DecoderForCausalLM
 from workers.models.hybrid import HybridDecoderLayer, HybridForCausalLM
 from workers.models.llama import LlamaAttention
@@ -78,10 +79,13 @@ class Qwen3NextSparseMoe(nn.Module):
         h, e = config.hidden_size, int(config.num_experts)
         self.tp = tp
         self.gate = Router(h, e, dtype, device, shared_gate=True, name=f"{prefix}.gate")
-        self.experts = FusedMoE(e, int(config.num_experts_per_tok), h, int(config.moe_intermediate_size),
-                                getattr(config, "hidden_act", None) or "silu", tp, dtype, device, f"{prefix}.experts",
-                                renormalize=renormalize,
-                                shared_intermediate=int(config.shared_expert_intermediate_size))
+        shared = int(config.shared_expert_intermediate_size)
+        quant = linear_quantization()
+        fp8 = fp8_experts(quant, f"{prefix}.experts", shared=f"{prefix}.shared_expert" if shared else None)
+        cls, extra = (Fp8FusedMoE, {"quant": quant}) if fp8 else (FusedMoE, {})
+        self.experts = cls(e, int(config.num_experts_per_tok), h, int(config.moe_intermediate_size),
+                           getattr(config, "hidden_act", None) or "silu", tp, dtype, device, f"{prefix}.experts",
+                           renormalize=renormalize, shared_intermediate=shared, **extra)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.experts(x, self.gate(x)))
@@ -111,9 +115,9 @@ class Qwen3NextDecoderLayer(HybridDecoderLayer):
 
 # Checkpoint tensors filling one parameter of ours whose names are not ours: the DeltaNet
 # projection's parts, the experts one at a time or stacked, the shared expert and its gate.
-_IN_PROJ = re.compile(r"^(.*\.linear_attn\.in_proj)_(qkvz|ba|qkv|z|b|a)\.weight$")
+_IN_PROJ = re.compile(rf"^(.*\.linear_attn\.in_proj)_(qkvz|ba|qkv|z|b|a)\.weight({SCALE_SUFFIX})?$")
 _EXPERTS = ExpertWeightNames(r"mlp\.experts")
-_SHARED_EXPERT = re.compile(r"^(.*\.mlp)\.shared_expert\.(gate|up|down)_proj\.weight$")
+_SHARED_EXPERT = re.compile(rf"^(.*\.mlp)\.shared_expert\.(gate|up|down)_proj\.weight({SCALE_SUFFIX})?$")
 _SHARED_GATE = re.compile(r"^(.*\.mlp)\.shared_expert_gate\.weight$")
 _HALF = {"gate": 0, "up": 1, "down": None}
 
@@ -142,13 +146,14 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
         name = self.our_name(name)
         m = _IN_PROJ.match(name)
         if m:
-            return f"{m[1]}.weight", m[2]
+            return f"{m[1]}.{self.get_submodule(m[1]).param_of(m[2], bool(m[3]))}", m[2]
         expert = _EXPERTS.param(name)
         if expert:
             return expert
         m = _SHARED_EXPERT.match(name)
         if m and isinstance(self.get_submodule(m[1]), Qwen3NextSparseMoe):
-            return f"{m[1]}.experts.{'w2' if m[2] == 'down' else 'w13'}", ("shared", _HALF[m[2]])
+            ours = f"{'w2' if m[2] == 'down' else 'w13'}{'_scale' if m[3] else ''}"
+            return f"{m[1]}.experts.{ours}", ("shared", _HALF[m[2]])
         m = _SHARED_GATE.match(name)
         if m:
             return f"{m[1]}.gate.weight", "shared"
@@ -160,20 +165,29 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
         for name, shape in DecoderForCausalLM.expected_checkpoint_shapes(self).items():
             owner = modules.get(name.rsplit(".", 1)[0])
             if isinstance(owner, DeltaNetProjection):
-                base = name[: -len(".weight")]
-                out[name] = [{f"{base}_{part}.weight": owner.part_shapes(part) for part in owner.parts}]
+                if name.endswith(".weight"):  # (its scales and tail come with it)
+                    base = name[: -len(".weight")]
+                    out[name] = [{f"{base}{tensor}": shape for tensor, shape in owner.checkpoint_tensors().items()}]
+            elif isinstance(owner, Fp8FusedMoE) and name.endswith(("_scale", ".b13", ".b2")):
+                continue  # (with their weights, below; FP8 experts have no biases)
             elif isinstance(owner, FusedMoE) and name.endswith((".w13", ".w2")):
                 base = name.rsplit(".", 1)[0]
                 mlp = base.rsplit(".", 1)[0]
                 e, h, i, s = owner.num_experts, owner.hidden, owner.intermediate, owner.shared_intermediate
-                if name.endswith(".w13"):
-                    per_expert = {f"{base}.{x}.{p}_proj.weight": (i, h) for x in range(e) for p in ("gate", "up")}
-                    ways = [{f"{base}.gate_up_proj": shape}, per_expert]
-                    shared = {f"{mlp}.shared_expert.{p}_proj.weight": (s, h) for p in ("gate", "up")}
-                else:
-                    ways = [{f"{base}.down_proj": shape}, {f"{base}.{x}.down_proj.weight": (h, i) for x in range(e)}]
-                    shared = {f"{mlp}.shared_expert.down_proj.weight": (h, s)}
-                out[name] = [{**way, **shared} for way in ways] if s else ways
+                parts, (rows, cols) = (("gate", "up"), (i, h)) if name.endswith(".w13") else (("down",), (h, i))
+                shared_shape = (s, h) if name.endswith(".w13") else (h, s)
+                per_expert = {f"{base}.{x}.{p}_proj.weight": (rows, cols) for x in range(e) for p in parts}
+                shared = {f"{mlp}.shared_expert.{p}_proj.weight": shared_shape for p in parts} if s else {}
+                if isinstance(owner, Fp8FusedMoE):  # per expert only, each weight with its scale
+                    scale = owner.scale_name
+                    per_expert.update({f"{n[:-len('weight')]}{scale}": owner.part_scale_shape(rows, cols)
+                                       for n in list(per_expert)})
+                    shared.update({f"{n[:-len('weight')]}{scale}": owner.part_scale_shape(*shared_shape)
+                                   for n in list(shared)})
+                    out[name] = [{**per_expert, **shared}]
+                    continue
+                stacked = {f"{base}.{'gate_up' if name.endswith('.w13') else 'down'}_proj": shape}
+                out[name] = [{**way, **shared} for way in (stacked, per_expert)]
             elif isinstance(owner, Router) and owner.weight.shape[0] > owner.num_experts and name.endswith(".weight"):
                 mlp = name.rsplit(".", 2)[0]
                 out[name] = [{name: shape, f"{mlp}.shared_expert_gate.weight": (1, owner.hidden)}]

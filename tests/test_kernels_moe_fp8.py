@@ -1,0 +1,100 @@
+"""FP8 experts (`kernels.fused_moe` with `ExpertScales`): the grouped GEMMs reading e4m3 weights
+with block or per-row scales, against the float64 loop over the dequantized weights (on CPU
+under TRITON_INTERPRET=1, natively on a GPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.activation import silu_and_mul, silu_and_mul_ref
+from kernels.fp8 import FP8_DTYPE, quantize_fp8_ref
+from kernels.fused_moe import ExpertScales, _grouped_gemm, fused_experts, fused_experts_ref, row_tiles
+from kernels.moe_gemv import takes as gemv_takes
+from tests.test_kernels_moe import DEVICE, SMALL, oracle, rel_err, routing
+
+# bf16 activations through exact FP8 products: the error is x's and the activation's rounding.
+TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
+# Tiles whose K step (32) is a quarter of a 128-key block and whose 32 rows lie in one 32-row block.
+FP8_SMALL = dict(SMALL, BLOCK_K=32)
+
+
+def fp8_experts(e: int, inter: int, h: int, block: tuple[int, int] | None, seed: int):
+    """(w13, w2 in FP8, their ExpertScales, the dequantized weights in float64)."""
+    g = torch.Generator().manual_seed(seed)
+    stacks, scales, deq = [], [], []
+    for n, k in ((2 * inter, h), (h, inter)):
+        ws, ss, ds = [], [], []
+        for _ in range(e):
+            w = torch.randn(n, k, generator=g) * torch.exp(torch.randn(n, 1, generator=g)) / k ** 0.5
+            q, s = quantize_fp8_ref(w, block)
+            ws.append(q)
+            ss.append(s)
+            full = s.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1) if block else s[:, None]
+            ds.append(q.double() * full.double())
+        stacks.append(torch.stack(ws).to(DEVICE))
+        scales.append(torch.stack(ss).to(DEVICE))
+        deq.append(torch.stack(ds).to(DEVICE))
+    return stacks[0], stacks[1], ExpertScales(scales[0], scales[1], block), deq[0], deq[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("block", [(32, 64), None], ids=["block", "row"])
+@pytest.mark.parametrize("t,cfg", [(1, FP8_SMALL), (9, FP8_SMALL), (40, None), (1, None), (3, None)],
+                         ids=["one-token", "tiles", "default", "gemv-one", "gemv-three"])
+def test_fp8_experts_against_a_float64_loop(dtype, block, t, cfg):
+    e, k, h, inter = 5, 2, 128, 64
+    w13, w2, scales, d13, d2 = fp8_experts(e, inter, h, block, seed=t)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(t + 1)).to(DEVICE, dtype)
+    weights, ids = routing(t, e, k, seed=t, skip=(0,))
+    w13[0] = w2[0] = torch.tensor(float("nan")).to(FP8_DTYPE)  # expert 0 unused: never read
+    ref = oracle(x, d13, d2, weights, ids)
+    if cfg is None:  # the default path: GEMVs up to GEMV_MAX_TOKENS, then the grouped GEMMs
+        assert gemv_takes(t, inter) == (t <= 4)
+    got = fused_experts(x, w13, w2, weights, ids, silu_and_mul, config=cfg, scales=scales)
+    assert got.shape == (t, h) and got.dtype == dtype
+    assert rel_err(got, ref) < TOL[dtype]
+    assert rel_err(fused_experts_ref(x, w13, w2, weights, ids, silu_and_mul_ref, scales=scales), ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("block", [(16, 32), None], ids=["block", "row"])
+def test_fp8_grouped_gemm_writes_each_pair_row_once_and_nothing_else(block):
+    """One launch, fp32 activations, a NaN-poisoned output whose rows are views of wider rows:
+    every pair's row is its expert's product with the dequantized weight; the columns beside it
+    untouched."""
+    e, k, t, kdim, n = 4, 2, 5, 64, 48
+    g = torch.Generator().manual_seed(11)
+    a = torch.randn(t * k, kdim, generator=g).to(DEVICE)
+    qs, ss, ds = [], [], []
+    for _ in range(e):
+        q, s = quantize_fp8_ref(torch.randn(n, kdim, generator=g), block)
+        qs.append(q)
+        ss.append(s)
+        full = s.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1) if block else s[:, None]
+        ds.append(q.double() * full.double())
+    w, scale, deq = torch.stack(qs).to(DEVICE), torch.stack(ss).to(DEVICE), torch.stack(ds).to(DEVICE)
+    weights, ids = routing(t, e, k, seed=2)
+    tiles = row_tiles(ids, e, SMALL["BLOCK_M"])
+    wide = torch.full((t * k, n + 3), float("nan"), device=DEVICE)
+    out = wide[:, :n]
+    _grouped_gemm(a, w, None, tiles, out, None, 1, dict(SMALL, BLOCK_K=32), None, scale, block)
+    flat = ids.flatten()
+    for p in range(t * k):
+        want = deq[flat[p]] @ a[p].double()
+        assert torch.allclose(out[p].double(), want, rtol=1e-5, atol=1e-5), p
+    assert torch.isnan(wide[:, n:]).all(), "wrote outside the output rows"
+
+
+def test_fp8_expert_scales_are_checked():
+    w13, w2, scales, _, _ = fp8_experts(3, 64, 128, (32, 64), seed=0)
+    x = torch.zeros(1, 128, device=DEVICE)
+    weights, ids = routing(1, 3, 2, seed=0)
+    with pytest.raises(ValueError, match=r"w13: FP8 expert scales must be \(3, 4, 2\)"):
+        fused_experts(x, w13, w2, weights, ids, silu_and_mul, scales=ExpertScales(scales.w13[:, :2], scales.w2,
+                                                                                      (32, 64)))
+    with pytest.raises(ValueError, match="must tile its rows and keys whole"):
+        fused_experts(x, w13, w2, weights, ids, silu_and_mul, scales=ExpertScales(scales.w13, scales.w2, (48, 64)))
+    with pytest.raises(TypeError, match="FP8 experts need"):
+        fused_experts(x, w13.float(), w2, weights, ids, silu_and_mul, scales=scales)
+    with pytest.raises(TypeError, match="must be float32"):
+        fused_experts(x, w13, w2, weights, ids, silu_and_mul,
+                      scales=ExpertScales(scales.w13.half(), scales.w2, (32, 64)))
