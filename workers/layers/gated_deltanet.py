@@ -58,7 +58,7 @@ class DeltaNetProjection(nn.Module):
     """This rank's rows of [q | k | v | z | b | a] in one matrix `weight`, filled from the
     checkpoint's tensors of its `layout` (`parts`; `weight_loader`'s shard: the part name).
 
-    From an FP8 checkpoint (Qwen's publish in_proj_qkv / in_proj_z / in_proj_qkvz in FP8 and
+    From an FP8 checkpoint (Qwen's store in_proj_qkv / in_proj_z / in_proj_qkvz in FP8 and
     in_proj_b / in_proj_a / in_proj_ba in bf16) `weight` holds [q | k | v | z] in FP8 with its
     scales (the checkpoint's `scale_name`, as `workers.layers.linear`'s FP8 layers keep them:
     blocks, or one per row) and `tail` [b | a] in the model's dtype: two products a step. b and a
