@@ -55,7 +55,6 @@ class Fp8FusedMoE(FusedMoE):
         if kwargs.get("bias"):
             raise ValueError(f"{self.name}: FP8 experts with biases are not supported")
         if self.block is not None:
-            bn, bk = self.block
             shared = (("shared expert's share", self.shared_size),) if self.shared_intermediate else ()
             for what, n in (("hidden size", self.hidden), ("share of the intermediate size", self.size), *shared):
                 for b in self.block:
