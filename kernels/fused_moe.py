@@ -30,8 +30,8 @@ import triton.language as tl
 
 from kernels.activation import apply_act, fusable
 from kernels.fp8 import FP8_DTYPE, dequantize_fp8_ref
-from kernels.gemv import SCALE_BLOCK, SCALE_NONE, SCALE_ROW
-from kernels.moe_gemv import experts_gemv, takes as gemv_takes
+from kernels.gemv import SCALE_BLOCK, SCALE_ROW
+from kernels.moe_gemv import expert_scale_args, experts_gemv, takes as gemv_takes
 from kernels.paged_attention import _interpreter_bf16
 from kernels.pdl import pdl_args, pdl_wait
 
@@ -357,15 +357,12 @@ def _grouped_gemm(a, w, b, tiles: RowTiles, out, routed, a_row_div: int, cfg: di
     if scale is not None and block is not None:
         cfg = dict(cfg, BLOCK_K=min(cfg["BLOCK_K"], block[1] & -block[1]))  # each K step in one block
     grid, n_tiles = grid_of(tiles, n, cfg["BLOCK_N"])
-    code_s = SCALE_NONE if scale is None else SCALE_ROW if block is None else SCALE_BLOCK
-    bn, bk = block if block is not None else (1, 1)
     _moe_gemm_kernel[grid](
         a, w, b if b is not None else a, out, routed if routed is not None else out, tiles.rows, tiles.block_expert,
-        scale if scale is not None else a, n, k, out.shape[0], n_tiles, a.stride(0), w.stride(0), w.stride(1),
-        b.stride(0) if b is not None else 0, out.stride(0), scale.stride(0) if scale is not None else 0,
-        scale.stride(1) if scale is not None else 0, bn, bk,
-        A_ROW_DIV=a_row_div, HAS_BIAS=b is not None, MUL_ROUTED=routed is not None,
-        ACT=code, GATED=gated, PAIR_TILES=tiles.pair_tiles, SCALE=code_s, DOT_F32=_interpreter_bf16(a),
+        N=n, K=k, num_rows=out.shape[0], n_tiles=n_tiles, stride_am=a.stride(0), stride_we=w.stride(0),
+        stride_wn=w.stride(1), stride_be=b.stride(0) if b is not None else 0, stride_cm=out.stride(0),
+        **expert_scale_args(scale, block, a), A_ROW_DIV=a_row_div, HAS_BIAS=b is not None,
+        MUL_ROUTED=routed is not None, ACT=code, GATED=gated, PAIR_TILES=tiles.pair_tiles, DOT_F32=_interpreter_bf16(a),
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"], **pdl_args(a))

@@ -23,7 +23,7 @@ from kernels.activation import apply_act
 from kernels.gemv import SCALE_BLOCK, SCALE_NONE, SCALE_ROW, check_chunk
 from kernels.pdl import pdl_args, pdl_wait
 
-__all__ = ["GEMV_MAX_INTERMEDIATE", "GEMV_MAX_TOKENS", "experts_gemv", "moe_gemv_config", "takes"]
+__all__ = ["GEMV_MAX_INTERMEDIATE", "GEMV_MAX_TOKENS", "expert_scale_args", "experts_gemv", "moe_gemv_config", "takes"]
 
 # `kernels.fused_moe.fused_experts` runs its experts here up to GEMV_MAX_TOKENS tokens for
 # experts of at most GEMV_MAX_INTERMEDIATE intermediate columns (a rank's). One H200, bf16, REPS
@@ -151,6 +151,16 @@ def moe_gemv_config(k: int, slots: int, halves: int, elem_bytes: int) -> dict:
             "CHUNK": 16 if elem_bytes <= 2 else 1}
 
 
+def expert_scale_args(scale: torch.Tensor | None, block: tuple[int, int] | None, placeholder: torch.Tensor) -> dict:
+    """The expert kernels' FP8 scale arguments (`kernels.fused_moe.ExpertScales`' w13 or w2 and
+    its block; none: `placeholder` stands in for the pointer)."""
+    bn, bk = block if block is not None else (1, 1)
+    return dict(s_ptr=scale if scale is not None else placeholder,
+                stride_se=scale.stride(0) if scale is not None else 0,
+                stride_sn=scale.stride(1) if scale is not None else 0, BN_Q=bn, BK_Q=bk,
+                SCALE=SCALE_NONE if scale is None else SCALE_ROW if block is None else SCALE_BLOCK)
+
+
 def _launch(a, w, b, ids, out, routed, slots: int, a_row_div: int, n: int, act: tuple[int, bool] | None,
             config: dict | None, early: bool = False, scale: torch.Tensor | None = None,
             block: tuple[int, int] | None = None) -> None:
@@ -161,16 +171,13 @@ def _launch(a, w, b, ids, out, routed, slots: int, a_row_div: int, n: int, act: 
     chunk = check_chunk(cfg)
     if scale is not None and block is not None and block[1] % chunk:
         raise ValueError(f"FP8 scale blocks of {block[1]} keys need runs ({chunk} keys) that divide them")
-    bn, bk = block if block is not None else (1, 1)
     grid = (out.shape[0], triton.cdiv(n, cfg["BLOCK_N"]))
     _moe_gemv_kernel[grid](
-        a, w, b if b is not None else a, out, routed if routed is not None else out, ids,
-        scale if scale is not None else a, n, k, a.stride(0), w.stride(0), w.stride(1),
-        b.stride(0) if b is not None else 0, out.stride(0), scale.stride(0) if scale is not None else 0,
-        scale.stride(1) if scale is not None else 0, bn, bk, SLOTS=slots,
-        SLOTS_P2=triton.next_power_of_2(slots), A_ROW_DIV=a_row_div, HAS_BIAS=b is not None,
-        MUL_ROUTED=routed is not None, ACT=code, HALVES=halves, EARLY=early,
-        SCALE=SCALE_NONE if scale is None else SCALE_ROW if block is None else SCALE_BLOCK, BLOCK_N=cfg["BLOCK_N"],
+        a, w, b if b is not None else a, out, routed if routed is not None else out, ids, N=n, K=k,
+        stride_am=a.stride(0), stride_we=w.stride(0), stride_wn=w.stride(1),
+        stride_be=b.stride(0) if b is not None else 0, stride_cm=out.stride(0), **expert_scale_args(scale, block, a),
+        SLOTS=slots, SLOTS_P2=triton.next_power_of_2(slots), A_ROW_DIV=a_row_div, HAS_BIAS=b is not None,
+        MUL_ROUTED=routed is not None, ACT=code, HALVES=halves, EARLY=early, BLOCK_N=cfg["BLOCK_N"],
         BLOCK_K=cfg["BLOCK_K"],
         CHUNK=chunk, num_warps=cfg["num_warps"], num_stages=1, **pdl_args(a))
 
