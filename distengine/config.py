@@ -63,7 +63,8 @@ class EngineConfig:
     load_format: str = "auto"          # "auto": the checkpoint; "dummy": random weights (benchmarks)
     # vLLM's name. None: the checkpoint's quantization_config (FP8 served, the rest refused by name);
     # "fp8": FP8 linear weights, from an FP8 checkpoint or, with load_format "dummy", random ones
-    # in 128 x 128 blocks (distengine.quantization).
+    # in 128 x 128 blocks; "modelopt": a ModelOpt FP8 checkpoint's, or random ones with per-tensor
+    # scales (distengine.quantization).
     quantization: str | None = None
     # vLLM's name: "ray" runs the workers as Ray actors even at TP=1; None: Ray only when needed.
     distributed_executor_backend: str | None = None

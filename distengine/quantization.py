@@ -12,18 +12,27 @@ published layouts, and their scales:
   "naive-quantized": 8-bit float weights of strategy "tensor" (`weight_scale` [1]), "channel"
   ([N, 1]) or "block" (`block_structure` [bn, bk]: [ceil(N/bn), ceil(K/bk)]); `targets` "Linear"
   or "re:" patterns, `ignore` exact names or "re:" patterns.
+- quant_method "modelopt" (NVIDIA's TensorRT Model Optimizer: NVIDIA's own FP8 checkpoints, such
+  as Nemotron-3-Nano-30B-A3B-FP8), quant_algo "FP8": a scalar `weight_scale` per linear (and per
+  expert projection); `ignore` (config.json) or `exclude_modules` (its older nested
+  `quantization` form) as ModelOpt writes them, shell wildcards ("backbone.layers.4.mixer*": the
+  module and everything under it, not layers 40-49).
 Activations stay in the model's dtype (weight-only FP8, as vLLM's W8A16 fallback): a static
 `input_scale` is not read. "mxfp4" is gpt-oss's own format: that model class decides on it.
 """
 from __future__ import annotations
 
+import fnmatch
 import re
 from dataclasses import dataclass
 
-FP8, COMPRESSED_TENSORS = "fp8", "compressed-tensors"
+FP8, COMPRESSED_TENSORS, MODELOPT = "fp8", "compressed-tensors", "modelopt"
 TENSOR, CHANNEL, BLOCK = "tensor", "channel", "block"
-# `--quantization` values (vLLM's option): "fp8" asks for FP8 linear weights.
-QUANTIZATION_OPTIONS = (None, FP8)
+# `--quantization` values (vLLM's option): "fp8" asks for FP8 linear weights (a dummy load: in
+# 128 x 128 blocks), "modelopt" for a ModelOpt checkpoint's (a dummy load: per-tensor scales).
+QUANTIZATION_OPTIONS = (None, FP8, MODELOPT)
+QUANTIZATION_CHOICES = [q for q in QUANTIZATION_OPTIONS if q]  # the command lines' choices
+MODELOPT_ALGOS = ("FP8",)
 # What a dummy load with `--quantization fp8` stores: the published block-wise layout.
 DUMMY_BLOCK = (128, 128)
 # The multimodal / hybrid prefixes a checkpoint may put before our text model's "model." names.
@@ -32,7 +41,7 @@ _CHECKPOINT_PREFIXES = ("model.", "model.language_model.", "language_model.model
 
 @dataclass(frozen=True)
 class QuantizationConfig:
-    method: str                          # FP8 or COMPRESSED_TENSORS
+    method: str                          # FP8, COMPRESSED_TENSORS or MODELOPT
     strategy: str                        # TENSOR, CHANNEL or BLOCK: how weight scales are laid out
     block_size: tuple[int, int] | None   # (bn, bk) for BLOCK
     scale_name: str                      # the scale tensor beside each `weight`
@@ -45,6 +54,8 @@ class QuantizationConfig:
         names = _spellings(name)
         if self.method == FP8:  # transformers' and vLLM's rule: a listed name anywhere in the module's
             return not any(entry in n for entry in self.ignore for n in names)
+        if self.method == MODELOPT:
+            return not any(_wildcard(entry, n) for entry in self.ignore for n in names)
         targeted = any(t == "Linear" or _matches(t, n) for t in self.targets for n in names)
         return targeted and not any(_matches(entry, n) for entry in self.ignore for n in names)
 
@@ -60,6 +71,16 @@ def _matches(entry: str, name: str) -> bool:
     if entry.startswith("re:"):
         return re.match(entry[3:], name) is not None
     return entry == name
+
+
+def _wildcard(pattern: str, name: str) -> bool:
+    """ModelOpt's exclusion: a shell pattern, where a trailing "*" after a name's own character
+    means that module and the modules under it (vLLM's reading, so that "layers.4*" does not
+    exclude layer 40)."""
+    if pattern.endswith("*") and not pattern.endswith(".*") and len(pattern) > 1:
+        stem = pattern[:-1]
+        return fnmatch.fnmatchcase(name, stem) or fnmatch.fnmatchcase(name, stem + ".*")
+    return fnmatch.fnmatchcase(name, pattern)
 
 
 def _get(quant, key: str, default=None):
@@ -88,8 +109,10 @@ def read_quantization_config(hf_config: dict) -> QuantizationConfig | None:
         return _fp8(quant)
     if method == COMPRESSED_TENSORS:
         return _compressed_tensors(quant)
+    if method == MODELOPT:
+        return _modelopt(quant)
     raise ValueError(f"{method!r}-quantized checkpoints are not supported (served: FP8 weights, quant_method "
-                     f"'fp8' or 'compressed-tensors' float-quantized)")
+                     f"'fp8', 'compressed-tensors' float-quantized or 'modelopt' FP8)")
 
 
 def _fp8(quant: dict) -> QuantizationConfig:
@@ -148,20 +171,42 @@ def _compressed_tensors(quant: dict) -> QuantizationConfig:
                               tuple(targets))
 
 
+def _modelopt(quant: dict) -> QuantizationConfig | None:
+    nested = quant.get("quantization")  # the hf_quant_config.json form, kept by some exports
+    if isinstance(nested, dict):
+        quant = {**nested, "ignore": nested.get("exclude_modules") or []}
+    algo = str(quant.get("quant_algo") or "").upper()
+    if not algo and (quant.get("kv_cache_scheme") or quant.get("kv_cache_quant_algo")):
+        return None  # KV cache scales alone: the weights are in the model's dtype
+    if algo not in MODELOPT_ALGOS:
+        raise ValueError(f"modelopt checkpoint with quant_algo {quant.get('quant_algo')!r}: not supported (served: "
+                         f"{', '.join(MODELOPT_ALGOS)}: FP8 weights with per-tensor scales)")
+    ignore = quant.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
+        raise ValueError(f"modelopt checkpoint: ignore / exclude_modules must be a list of module patterns, "
+                         f"got {ignore!r}")
+    return QuantizationConfig(MODELOPT, TENSOR, None, "weight_scale", tuple(ignore))
+
+
 def resolve_quantization(hf_config: dict, quantization: str | None, load_format: str) -> QuantizationConfig | None:
     """What the workers build: the checkpoint's quantization, or with `load_format` "dummy" and
-    `quantization` "fp8" random FP8 weights in the block-wise layout. Refusals raise ValueError."""
+    `quantization` "fp8" random FP8 weights in the block-wise layout ("modelopt": per-tensor
+    scales, as NVIDIA publishes them). Refusals raise ValueError."""
     if quantization not in QUANTIZATION_OPTIONS:
-        raise ValueError(f"quantization must be None or 'fp8', got {quantization!r}")
+        raise ValueError(f"quantization must be one of {QUANTIZATION_OPTIONS}, got {quantization!r}")
     found = read_quantization_config(hf_config)
     if quantization is None:
         return found
     if load_format == "dummy":
-        return found or QuantizationConfig(FP8, BLOCK, DUMMY_BLOCK, "weight_scale_inv")
+        if found:
+            return found
+        if quantization == MODELOPT:
+            return QuantizationConfig(MODELOPT, TENSOR, None, "weight_scale")
+        return QuantizationConfig(FP8, BLOCK, DUMMY_BLOCK, "weight_scale_inv")
     if found is None:
-        raise ValueError("quantization='fp8' with an unquantized checkpoint: quantizing weights while loading is "
-                         "not supported; use an FP8 checkpoint (or load_format='dummy')")
-    if found.method != FP8:
-        raise ValueError(f"quantization='fp8' but the checkpoint is {found.method!r}-quantized: leave quantization "
-                         f"unset to use the checkpoint's")
+        raise ValueError(f"quantization={quantization!r} with an unquantized checkpoint: quantizing weights while "
+                         f"loading is not supported; use an FP8 checkpoint (or load_format='dummy')")
+    if found.method != quantization:
+        raise ValueError(f"quantization={quantization!r} but the checkpoint is {found.method!r}-quantized: leave "
+                         f"quantization unset to use the checkpoint's")
     return found

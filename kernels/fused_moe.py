@@ -427,7 +427,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     I) and an elementwise activation [R, I] -> [R, I] (e.g. `relu2`).
     Ids must lie in [0, E) (the router's top-k). `weight_input`: the weights scale each pair's
     input, sum_j W2 act(W13 (w_tj x_t)), rather than its output. Without `config`, up to
-    a few tokens through narrow experts run as GEMVs (`kernels.moe_gemv.takes`), the same numbers
+    a few tokens through narrow experts (FP8 experts of any width: one token) run as GEMVs
+    (`kernels.moe_gemv.takes`), the same numbers
     in two launches. FP8 experts (`scales`) read their weights at one byte an element in both
     ways, the products in x's dtype (grouped GEMMs) or fp32 (GEMVs)."""
     _check(x, w13, w2, topk_weights, topk_ids, b13, b2, weight_input, scales)
@@ -438,7 +439,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     act = fusable(act_and_mul)
     if act is not None and two_i != w2.shape[2] * (2 if act[1] else 1):
         act = None
-    if config is None and gemv_takes(t, w2.shape[2]):
+    if config is None and gemv_takes(t, w2.shape[2], fp8=scales is not None):
         return experts_gemv(x, w13, w2, topk_weights, topk_ids, act_and_mul, act, b13, b2, weight_input,
                             scales=scales)
     cfg = config or moe_config(t * k, e, x.element_size())

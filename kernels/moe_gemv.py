@@ -23,7 +23,8 @@ from kernels.activation import apply_act
 from kernels.gemv import SCALE_BLOCK, SCALE_NONE, SCALE_ROW, check_chunk
 from kernels.pdl import pdl_args, pdl_wait
 
-__all__ = ["GEMV_MAX_INTERMEDIATE", "GEMV_MAX_TOKENS", "expert_scale_args", "experts_gemv", "moe_gemv_config", "takes"]
+__all__ = ["FP8_GEMV_ANY_WIDTH_TOKENS", "GEMV_MAX_INTERMEDIATE", "GEMV_MAX_TOKENS", "expert_scale_args", "experts_gemv",
+           "moe_gemv_config", "takes"]
 
 # `kernels.fused_moe.fused_experts` runs its experts here up to GEMV_MAX_TOKENS tokens for
 # experts of at most GEMV_MAX_INTERMEDIATE intermediate columns (a rank's). One H200, bf16, REPS
@@ -33,9 +34,14 @@ __all__ = ["GEMV_MAX_INTERMEDIATE", "GEMV_MAX_TOKENS", "expert_scale_args", "exp
 # 34.0; wider experts were as fast or slower (Granite-4.0-H-Small's, I 768: 53.7 / 97.2 / 175.3
 # against 51.7 / 100.1 / 147.9; gpt-oss-20b's in bf16, I 2,880: 56.3 / 98.4 / 170.9 against
 # 55.4 / 97.6 / 162.4), and Nemotron-3-Nano's decode step at batch 1 (I 1,856, two shared
-# slots) was 2.45 ms against 2.40 with them.
+# slots) was 2.45 ms against 2.40 with them. FP8 experts of any width take them for one token:
+# there the grouped GEMMs convert whole 16-row tiles of which one row is used, and
+# Nemotron-3-Nano's FP8 step at batch 1 took 1.886-1.895 ms with the GEMVs against 2.159-2.170
+# (A B B A in one call, one H200); at 2 and 4 tokens 5.58 / 6.89 ms against 5.52 / 5.62 (bf16
+# weights at one token: 2.243-2.249 against 2.258-2.264, too close to change their rule).
 GEMV_MAX_TOKENS = 4
 GEMV_MAX_INTERMEDIATE = 512
+FP8_GEMV_ANY_WIDTH_TOKENS = 1
 
 
 @triton.jit
@@ -182,8 +188,11 @@ def _launch(a, w, b, ids, out, routed, slots: int, a_row_div: int, n: int, act: 
         CHUNK=chunk, num_warps=cfg["num_warps"], num_stages=1, **pdl_args(a))
 
 
-def takes(tokens: int, intermediate: int) -> bool:
-    """Whether a batch of `tokens` through experts of `intermediate` columns runs here."""
+def takes(tokens: int, intermediate: int, fp8: bool = False) -> bool:
+    """Whether a batch of `tokens` through experts of `intermediate` columns (`fp8`: stored in
+    FP8) runs here."""
+    if fp8 and tokens <= FP8_GEMV_ANY_WIDTH_TOKENS:
+        return True
     return tokens <= GEMV_MAX_TOKENS and intermediate <= GEMV_MAX_INTERMEDIATE
 
 

@@ -187,7 +187,7 @@ def test_quantization_option_and_the_checkpoint_must_agree():
         resolve_quantization({}, "fp8", "auto")
     with pytest.raises(ValueError, match="'compressed-tensors'-quantized"):
         resolve_quantization({"quantization_config": _ct_weights()}, "fp8", "auto")
-    with pytest.raises(ValueError, match="quantization must be None or 'fp8'"):
+    with pytest.raises(ValueError, match=r"quantization must be one of \(None, 'fp8', 'modelopt'\)"):
         resolve_quantization({}, "int8", "dummy")
     dummy = resolve_quantization({}, "fp8", "dummy")
     assert (dummy.block_size, dummy.scale_name) == ((128, 128), "weight_scale_inv")
@@ -284,11 +284,17 @@ def test_fp8_checkpoint_on_gpu_greedy_equals_transformers(tmp_path, fmt, family)
     """On a GPU in float32: one prompt decodes through the FP8 GEMV (in CUDA graphs; a Gated
     DeltaNet's conv in its epilogue, the experts' GEMVs), three through the skinny GEMM (and the
     experts' GEMVs); prefills dequantize for cuBLAS (the experts' grouped GEMMs in registers)."""
-    from distengine import LLM, SamplingParams
     hf = _quantized_checkpoint(tmp_path, fmt) if family == "qwen3" else _deltanet_fp8_checkpoint(tmp_path, family, fmt)
+    assert_gpu_greedy_equals_transformers(hf, tmp_path)
+
+
+def assert_gpu_greedy_equals_transformers(hf, folder) -> None:
+    """The checkpoint in `folder` on a GPU in float32: one prompt alone (the GEMVs), then three
+    (the skinny GEMMs), greedy tokens as `hf`'s."""
+    from distengine import LLM, SamplingParams
     prompts = _prompts(3)
     greedy = SamplingParams(max_tokens=12, temperature=0)
-    with LLM(str(tmp_path), device="cuda", dtype="float32", max_model_len=128) as llm:
+    with LLM(str(folder), device="cuda", dtype="float32", max_model_len=128) as llm:
         one = llm.generate([{"prompt_token_ids": prompts[0]}], greedy, use_tqdm=False)
         three = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
     assert one[0].outputs[0].token_ids == _hf_greedy(hf, prompts[0], 12)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.activation import silu_and_mul, silu_and_mul_ref
+from kernels.activation import relu2, relu2_ref, silu_and_mul, silu_and_mul_ref
 from kernels.fp8 import FP8_DTYPE, quantize_fp8_ref
 from kernels.fused_moe import ExpertScales, _grouped_gemm, fused_experts, fused_experts_ref, row_tiles
 from kernels.moe_gemv import takes as gemv_takes
@@ -18,11 +18,12 @@ TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-5}
 FP8_SMALL = dict(SMALL, BLOCK_K=32)
 
 
-def fp8_experts(e: int, inter: int, h: int, block: tuple[int, int] | None, seed: int):
-    """(w13, w2 in FP8, their ExpertScales, the dequantized weights in float64)."""
+def fp8_experts(e: int, inter: int, h: int, block: tuple[int, int] | None, seed: int, gated: bool = True):
+    """(w13, w2 in FP8, their ExpertScales, the dequantized weights in float64); w13 [E, 2I, H]
+    (gate rows, then up rows) or, not `gated`, [E, I, H]."""
     g = torch.Generator().manual_seed(seed)
     stacks, scales, deq = [], [], []
-    for n, k in ((2 * inter, h), (h, inter)):
+    for n, k in (((2 if gated else 1) * inter, h), (h, inter)):
         ws, ss, ds = [], [], []
         for _ in range(e):
             w = torch.randn(n, k, generator=g) * torch.exp(torch.randn(n, 1, generator=g)) / k ** 0.5
@@ -54,6 +55,48 @@ def test_fp8_experts_against_a_float64_loop(dtype, block, t, cfg):
     assert got.shape == (t, h) and got.dtype == dtype
     assert rel_err(got, ref) < TOL[dtype]
     assert rel_err(fused_experts_ref(x, w13, w2, weights, ids, silu_and_mul_ref, scales=scales), ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("block", [(32, 64), None], ids=["block", "row"])
+@pytest.mark.parametrize("t,cfg", [(1, FP8_SMALL), (9, FP8_SMALL), (40, None), (2, None)],
+                         ids=["one-token", "tiles", "default", "gemv-two"])
+def test_fp8_experts_without_a_gate(dtype, block, t, cfg):
+    """Nemotron-H's FP8 experts (NVIDIA's checkpoints): w13 of up rows alone, relu^2, each row's
+    scale applied before the activation; against float64, expert 0 NaN and never chosen."""
+    e, k, h, inter = 5, 2, 128, 64
+    w13, w2, scales, d13, d2 = fp8_experts(e, inter, h, block, seed=t + 7, gated=False)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(t + 3)).to(DEVICE, dtype)
+    weights, ids = routing(t, e, k, seed=t + 5, skip=(0,))
+    w13[0] = w2[0] = torch.tensor(float("nan")).to(FP8_DTYPE)
+    ref = torch.zeros(t, h, dtype=torch.float64, device=DEVICE)
+    for p in range(t * k):
+        ex, tok = int(ids.flatten()[p]), p // k
+        a = torch.relu(d13[ex] @ x[tok].double()) ** 2
+        ref[tok] += weights.flatten()[p].double() * (d2[ex] @ a)
+    got = fused_experts(x, w13, w2, weights, ids, relu2, config=cfg, scales=scales)
+    assert got.shape == (t, h) and got.dtype == dtype
+    tol = 2 * TOL[dtype]  # the square doubles the relative error of the rounded up-projection
+    assert rel_err(got, ref) < tol
+    assert rel_err(fused_experts_ref(x, w13, w2, weights, ids, relu2_ref, scales=scales), ref) < tol
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
+def test_one_token_through_wide_fp8_experts_takes_the_gemvs(gated):
+    """FP8 experts wider than GEMV_MAX_INTERMEDIATE (Nemotron-3-Nano's 1,856) take the GEMVs for
+    one token only; fp32 activations, against float64."""
+    e, k, h, inter = 4, 2, 128, 640
+    assert gemv_takes(1, inter, fp8=True) and not gemv_takes(1, inter) and not gemv_takes(2, inter, fp8=True)
+    w13, w2, scales, d13, d2 = fp8_experts(e, inter, h, None, seed=21, gated=gated)
+    x = torch.randn(1, h, generator=torch.Generator().manual_seed(22)).to(DEVICE)
+    weights, ids = routing(1, e, k, seed=23)
+    if gated:
+        act, ref = silu_and_mul, oracle(x, d13, d2, weights, ids)
+    else:
+        act = relu2
+        ref = sum(weights[0, j].double() * (d2[int(ids[0, j])] @ torch.relu(d13[int(ids[0, j])] @ x[0].double()) ** 2)
+                  for j in range(k))[None]
+    assert rel_err(fused_experts(x, w13, w2, weights, ids, act, scales=scales), ref) < TOL[torch.float32]
 
 
 @pytest.mark.parametrize("block", [(16, 32), None], ids=["block", "row"])

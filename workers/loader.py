@@ -173,7 +173,7 @@ def check_weight_dtypes(expected: Collection[str], found: dict[str, str],
                         quant: QuantizationConfig | None) -> None:
     """Raise WeightDtypeError unless exactly the weights the model holds in FP8 (those beside
     which it expects a scale tensor) are stored in FP8 (float8_e4m3fn): an FP8 embedding, head,
-    router or Mamba input projection, say, is refused by name before any data is read."""
+    router or Mamba-1 projection, say, is refused by name before any data is read."""
     scale = quant.scale_name if quant is not None else None
     ours = {n for n in expected if scale and n.endswith(".weight") and f"{n[:-len('weight')]}{scale}" in expected}
     wrong = []
@@ -244,7 +244,8 @@ def get_model(model: str, tp: TPGroup, dtype: str | torch.dtype = "auto", device
     cheapest first (id, then architecture, then shards and shapes, then data). `load_format`
     "dummy" (vLLM's name) reads no weights: the folder needs only its config.json, and the
     weights are random (uniform in +-1e-3, as vLLM's), for benchmarks; with `quantization`
-    "fp8" the linear layers' weights are FP8 in 128 x 128 blocks with random scales. A module that
+    "fp8" the linear layers' weights are FP8 in 128 x 128 blocks with random scales ("modelopt":
+    per-tensor scales, one a row). A module that
     keeps weights in another format (MXFP4 experts) fills them itself through its `dummy_weights`."""
     from workers.models import get_model_class
 

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 
 from distengine.model_config import KV_CACHE_DTYPES
+from distengine.quantization import QUANTIZATION_CHOICES
 from kernels.bench.roofline import copy_bandwidth, matmul_rate, synchronize
 
 _GEMMA3 = dict(max_position_embeddings=32768, sliding_window_pattern=6)
@@ -176,9 +177,10 @@ def add_model_arguments(p) -> None:
                    help="TP>1: small all-reduces over NVLink peer-to-peer (opt-in; NCCL otherwise)")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights, no checkpoint read (no --hf then) (default: %(default)s)")
-    p.add_argument("--quantization", default=None, choices=["fp8"],
+    p.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
                    help="fp8: FP8 linear weights (an FP8 checkpoint's, or with --load-format dummy random ones in "
-                        "128x128 blocks); the roofline counts the weights' bytes as stored (default: the checkpoint's)")
+                        "128x128 blocks); modelopt: a ModelOpt FP8 checkpoint's (dummy: per-tensor scales); the "
+                        "roofline counts the weights' bytes as stored (default: the checkpoint's)")
     p.add_argument("--hf", action="store_true", help="also time transformers' generate() on the same weights")
     p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     p.add_argument("--output-json", default=None, help="write the results here")

@@ -29,6 +29,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from distengine import LLM, SamplingParams
+from distengine.quantization import QUANTIZATION_CHOICES
 from distengine.scheduler import EngineRequest
 from launch.bench.common import random_prompts, roofline_of
 
@@ -89,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 128])
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--load-format", default="auto")
-    p.add_argument("--quantization", default=None, choices=["fp8"], help="as `bench latency --quantization`")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
+                   help="as `bench latency --quantization`")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--eager", action="store_true")
     p.add_argument("--top", type=int, default=10, help="kernels listed per batch")

@@ -20,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from distengine import LLM, SamplingParams
 from distengine.hf_config import load_hf_config, resolve_model_path
+from distengine.quantization import QUANTIZATION_CHOICES
 from distengine.scheduler import EngineRequest
 from kernels.bench.roofline import matmul_rate
 from launch.bench.common import random_prompts, roofline_of
@@ -49,7 +50,8 @@ def main() -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--load-format", default="auto")
-    p.add_argument("--quantization", default=None, choices=["fp8"], help="as `bench latency --quantization`")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
+                   help="as `bench latency --quantization`")
     p.add_argument("--top", type=int, default=12, help="kernels listed per case")
     args = p.parse_args()
     rate = matmul_rate("cuda")

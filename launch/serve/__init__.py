@@ -31,6 +31,7 @@ import sys
 import threading
 
 from distengine.model_config import KV_CACHE_DTYPES
+from distengine.quantization import QUANTIZATION_CHOICES
 
 
 def add_arguments(p) -> None:
@@ -63,8 +64,9 @@ def add_arguments(p) -> None:
     p.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: $RAY_ADDRESS, else local)")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights, no checkpoint read (benchmarks)")
-    p.add_argument("--quantization", default=None, choices=["fp8"],
-                   help="fp8: FP8 linear weights (an FP8 checkpoint's; with --load-format dummy random ones) "
+    p.add_argument("--quantization", default=None, choices=QUANTIZATION_CHOICES,
+                   help="fp8: FP8 linear weights (an FP8 checkpoint's; with --load-format dummy random ones); "
+                        "modelopt: a ModelOpt FP8 checkpoint's (dummy: per-tensor scales) "
                         "(default: the checkpoint's quantization_config)")
     p.add_argument("--structured-outputs-backend", "--guided-decoding-backend", dest="structured_outputs_backend",
                    default="auto", choices=["auto", "xgrammar", "guidance"],

@@ -21,39 +21,90 @@ import torch.nn.functional as F
 from torch import nn
 
 from distengine.model_config import MambaShape, mamba_groups_per_rank
+from distengine.quantization import BLOCK, CHANNEL
+from kernels.fp8 import FP8_DTYPE, scale_shape
 from kernels.gated_rmsnorm import GatedRMSNorm
 from kernels.mamba_conv import ConvStep
 from workers.layers.attention import AttentionMetadata
-from workers.layers.linear import RowParallelLinear
+from workers.layers.linear import Fp8Layout, RowParallelLinear, block_rows, linear_quantization
 from workers.layers.pooled_state import PooledStateLayer
-from workers.ops import (causal_conv1d_update_op, causal_conv1d_varlen_op, gated_norm_op, linear_op,
+from workers.ops import (causal_conv1d_update_op, causal_conv1d_varlen_op, fp8_linear_op, gated_norm_op, linear_op,
                          selective_state_update_op, ssd_scan_varlen_op)
 from workers.parallel import TPGroup
 
 
 class Segmented(nn.Module):
     """Parameters whose dim 0 concatenates segments each sliced on its own by the rank (in_proj's
-    z | x | B | C | dt, the conv's x | B | C). `segments`: (full length, this rank's start, length)."""
+    z | x | B | C | dt, the conv's x | B | C). `segments`: (full length, this rank's start, length).
+
+    `linear`: a projection (its `matmul`), which an FP8 checkpoint may store in FP8 as it does
+    the linear layers (`workers.layers.linear`): the weight as stored and its scale parameter,
+    per-tensor or per-channel scales spread over the rows each segment takes, block scales with
+    their blocks (a segment's slice that cuts a block is refused when the layer is built)."""
 
     def __init__(self, segments: list[tuple[int, int, int]], inner: tuple[int, ...], bias: bool, dtype, device,
-                 name: str) -> None:
+                 name: str, linear: bool = False, tp_size: int = 1) -> None:
         super().__init__()
-        self.segments, self.inner, self.name = segments, inner, name
+        self.segments, self.inner, self.name, self.tp_size = segments, inner, name, tp_size
         size = sum(n for _, _, n in segments)
-        self.weight = nn.Parameter(torch.empty(size, *inner, dtype=dtype, device=device), requires_grad=False)
+        quant = linear_quantization() if linear else None
+        self.fp8: Fp8Layout | None = None
+        if quant is not None and quant.quantizes(name):
+            self.fp8 = Fp8Layout(quant.scale_name, quant.block_size if quant.strategy == BLOCK else None,
+                                 quant.strategy)
+            self.weight = nn.Parameter(torch.empty(size, *inner, dtype=FP8_DTYPE, device=device), requires_grad=False)
+            scale = torch.empty(scale_shape(size, inner[0], self.fp8.block), dtype=torch.float32, device=device)
+            setattr(self, quant.scale_name, nn.Parameter(scale, requires_grad=False))
+            if self.fp8.block is not None:
+                self._block_maps()  # refused now, not at load
+        else:
+            self.weight = nn.Parameter(torch.empty(size, *inner, dtype=dtype, device=device), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(size, dtype=dtype, device=device), requires_grad=False) if bias else None
 
     @property
     def full_rows(self) -> int:
         return sum(full for full, _, _ in self.segments)
 
+    @property
+    def fp8_scale(self) -> torch.Tensor | None:
+        return None if self.fp8 is None else getattr(self, self.fp8.scale_name)
+
     def full_shapes(self) -> dict[str, tuple[int, ...]]:
         out = {"weight": (self.full_rows, *self.inner)}
         if self.bias is not None:
             out["bias"] = (self.full_rows,)
+        if self.fp8 is not None:
+            block, strategy = self.fp8.block, self.fp8.strategy
+            out[self.fp8.scale_name] = (scale_shape(self.full_rows, self.inner[0], block) if block is not None
+                                        else (self.full_rows, 1) if strategy == CHANNEL else ())
         return out
 
+    def _row_maps(self) -> list[tuple[int, torch.Tensor]]:
+        """Each segment's (first row of ours it fills, the checkpoint rows it takes)."""
+        out, src, dst = [], 0, 0
+        for n_full, start, n in self.segments:
+            out.append((dst, torch.arange(src + start, src + start + n)))
+            src, dst = src + n_full, dst + n
+        return out
+
+    def _block_maps(self) -> list[tuple[int, torch.Tensor]]:
+        assert self.fp8 is not None and self.fp8.block is not None
+        return [block_rows(self.name, dst, rows, self.full_rows, self.weight.shape[0], self.fp8.block, self.tp_size)
+                for dst, rows in self._row_maps()]
+
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard=None) -> None:
+        if self.fp8 is not None and param is self.fp8_scale:
+            want = self.full_shapes()[self.fp8.scale_name]
+            if tuple(full.shape) != want and not (want == () and full.numel() == 1):
+                raise ValueError(f"{self.name}: checkpoint scale tensor has shape {tuple(full.shape)}, expected {want}")
+            if self.fp8.block is not None:
+                for dst, blocks in self._block_maps():
+                    param.data.narrow(0, dst, len(blocks)).copy_(full.index_select(0, blocks.to(full.device)))
+                return
+            per_row = full.reshape(-1).expand(self.full_rows)
+            for dst, rows in self._row_maps():
+                param.data.narrow(0, dst, len(rows)).copy_(per_row.index_select(0, rows.to(full.device)))
+            return
         want = (self.full_rows, *param.shape[1:])
         if tuple(full.shape) != want:
             raise ValueError(f"{self.name}: checkpoint tensor has shape {tuple(full.shape)}, expected {want}")
@@ -61,6 +112,12 @@ class Segmented(nn.Module):
         for n_full, start, n in self.segments:
             param.data.narrow(0, dst, n).copy_(full.narrow(0, src + start, n))
             src, dst = src + n_full, dst + n
+
+    def matmul(self, x: torch.Tensor, conv: ConvStep | None = None) -> torch.Tensor:
+        """x W^T (+ b) of a `linear` one, through its FP8 weight where it has one."""
+        if self.fp8 is None:
+            return linear_op(x, self.weight, self.bias, conv=conv)
+        return fp8_linear_op(x, self.weight, self.fp8_scale, self.fp8.block, self.bias, conv=conv)
 
 
 class MambaMixer2(PooledStateLayer):
@@ -88,7 +145,7 @@ class MambaMixer2(PooledStateLayer):
         heads = (I, h0 * P, self.I_local)
         groups = (G * N, g0 * N, self.G_local * N)
         self.in_proj = Segmented([heads, heads, groups, groups, (H, h0, self.H)], (hidden_size,), proj_bias, dtype,
-                                 device, f"{prefix}.in_proj")
+                                 device, f"{prefix}.in_proj", linear=True, tp_size=tp.world_size)
         self.conv1d = Segmented([heads, groups, groups], (1, K), conv_bias, dtype, device, f"{prefix}.conv1d")
         self.conv_dim = self.I_local + 2 * self.G_local * N
         f32 = {"dtype": torch.float32, "device": device}
@@ -134,7 +191,7 @@ class MambaMixer2(PooledStateLayer):
         fuse = m.decode and self.proj_scale is None
         conv = ConvStep(w, self.conv1d.bias, self.conv_state, m.init_pages[j], m.write_pages[j],
                         start=self.I_local) if fuse else None
-        proj = linear_op(x, self.in_proj.weight, self.in_proj.bias, conv=conv)
+        proj = self.in_proj.matmul(x, conv=conv)
         if self.proj_scale is not None:
             proj = proj * self.proj_scale
         z, xbc, dt = proj.split([self.I_local, self.conv_dim, self.H], dim=-1)

@@ -25,7 +25,7 @@ from workers.layers.mamba import Segmented
 from workers.layers.moe import FusedMoE, Router
 from workers.models.hybrid import HybridDecoderLayer, HybridForCausalLM, multiplier
 from workers.models.llama import LlamaAttention
-from workers.ops import act_and_mul, linear_op
+from workers.ops import act_and_mul
 from workers.parallel import TPGroup, split_evenly
 
 
@@ -43,13 +43,13 @@ class GraniteSharedMLP(nn.Module):
         h, i = config.hidden_size, config.shared_intermediate_size
         start, size = split_evenly(i, tp, f"{prefix}.input_linear half")
         self.input_linear = Segmented([(i, start, size), (i, start, size)], (h,), False, dtype, device,
-                                      f"{prefix}.input_linear")
+                                      f"{prefix}.input_linear", linear=True, tp_size=tp.world_size)
         self.output_linear = RowParallelLinear(i, h, False, tp, dtype, device, f"{prefix}.output_linear",
                                                reduce=reduce)
         self.act = act_and_mul(getattr(config, "hidden_act", None) or "silu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.output_linear(self.act(linear_op(x, self.input_linear.weight)))
+        return self.output_linear(self.act(self.input_linear.matmul(x)))
 
 
 class GraniteMoE(nn.Module):

@@ -20,6 +20,10 @@ full_attention, mlp, moe), read through the KV cache plan's reader (`decoder_lay
   sum leaves through one all-reduce; the grouped choice is one kernel on a GPU
   (`kernels.moe_routing.topk_sigmoid_grouped`), its torch reference on CPU. Latent projections (`moe_latent_size`) and MLP
   biases on MoE layers are refused;
+* FP8 checkpoints (NVIDIA's ModelOpt FP8, per-tensor scales; any format of
+  `distengine.quantization`): the Mamba in_proj / out_proj, the MLPs, the attention and the
+  routed and shared experts (`Fp8FusedMoE`, ungated) as the config quantizes them; the router
+  stays float32;
 * the multi-token-prediction layers (`mtp.*`, speculative decoding only) are not built and their
   tensors are not read.
 
@@ -56,8 +60,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from distengine.model_config import MAMBA, MLP, MOE
-from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
-from workers.layers.moe import ExpertWeightNames, FusedMoE, Router
+from workers.layers.linear import ColumnParallelLinear, RowParallelLinear, linear_quantization
+from workers.layers.moe import SCALE_SUFFIX, ExpertWeightNames, FusedMoE, Router
+from workers.layers.moe_fp8 import Fp8FusedMoE, fp8_experts
 from workers.models.base import STACKED
 from workers.models.hybrid import ATTENTION, HybridDecoderLayer, HybridForCausalLM, HybridModel
 from workers.parallel import TPGroup
@@ -114,15 +119,18 @@ class NemotronHMoE(nn.Module):
             raise ValueError(f"{prefix}: MoE layers with MLP biases (mlp_bias) are not supported")
         act = cfg(config, "mlp_hidden_act", "hidden_act", default="relu2")
         h, e = config.hidden_size, int(cfg(config, "n_routed_experts", "num_local_experts"))
+        shared = int(cfg(config, "moe_shared_expert_intermediate_size", default=0))
         self.tp = tp
         self.gate = Router(h, e, torch.float32, device, name=f"{prefix}.gate", correction_bias=True)
-        self.experts = FusedMoE(
+        quant = linear_quantization()
+        fp8 = fp8_experts(quant, f"{prefix}.experts", gated=False, shared=f"{prefix}.shared_experts" if shared else None)
+        cls, extra = (Fp8FusedMoE, {"quant": quant}) if fp8 else (FusedMoE, {})
+        self.experts = cls(
             e, int(config.num_experts_per_tok), h, int(config.moe_intermediate_size), act, tp, dtype, device,
             f"{prefix}.experts", renormalize=bool(cfg(config, "norm_topk_prob", default=True)),
-            shared_intermediate=int(cfg(config, "moe_shared_expert_intermediate_size", default=0)),
-            scoring="sigmoid_grouped", gated=False,
+            shared_intermediate=shared, scoring="sigmoid_grouped", gated=False,
             groups=(int(cfg(config, "n_group", default=1)), int(cfg(config, "topk_group", default=1))),
-            scale=float(cfg(config, "routed_scaling_factor", default=1.0)))
+            scale=float(cfg(config, "routed_scaling_factor", default=1.0)), **extra)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)  # float32, as transformers' router on x.float() (`linear_op` widens x)
@@ -148,7 +156,7 @@ class NemotronHBlock(HybridDecoderLayer):
 # Expert tensors, with `backbone.` already spelled `model.`: published one per expert, or stacked
 # (transformers in memory), and the shared expert.
 _EXPERTS = ExpertWeightNames(r"mixer\.experts", gated=False)
-_SHARED_EXPERT = re.compile(r"^(.*\.mixer)\.shared_experts\.(up|down)_proj\.weight$")
+_SHARED_EXPERT = re.compile(rf"^(.*\.mixer)\.shared_experts\.(up|down)_proj\.weight({SCALE_SUFFIX})?$")
 
 
 class NemotronHForCausalLM(HybridForCausalLM):
@@ -185,7 +193,8 @@ class NemotronHForCausalLM(HybridForCausalLM):
             return expert
         m = _SHARED_EXPERT.match(name)
         if m:
-            return f"{m[1]}.experts.{'w2' if m[2] == 'down' else 'w13'}", ("shared", None if m[2] == "down" else 0)
+            ours = f"{'w2' if m[2] == 'down' else 'w13'}{'_scale' if m[3] else ''}"
+            return f"{m[1]}.experts.{ours}", ("shared", None if m[2] == "down" else 0)
         return super().checkpoint_to_param(name)
 
     def checkpoint_sources(self) -> dict[str, list[dict[str, tuple[int, ...]]]]:
@@ -197,11 +206,16 @@ class NemotronHForCausalLM(HybridForCausalLM):
             e, h, i, s = moe.num_experts, moe.hidden, moe.intermediate, moe.shared_intermediate
             for ours, part, one, shared in (("w13", "up", (i, h), (s, h)), ("w2", "down", (h, i), (h, s))):
                 name = f"{path}.{ours}"
-                ways = [{f"{path}.{part}_proj": out[name][0][name]},
-                        {f"{path}.{x}.{part}_proj.weight": one for x in range(e)}]
-                if s:
-                    ways = [{**way, f"{mixer}.shared_experts.{part}_proj.weight": shared} for way in ways]
-                out[name] = ways
+                per_expert = {f"{path}.{x}.{part}_proj.weight": one for x in range(e)}
+                shared_way = {f"{mixer}.shared_experts.{part}_proj.weight": shared} if s else {}
+                if isinstance(moe, Fp8FusedMoE):  # per expert only, each weight with its scale
+                    del out[f"{name}_scale"]
+                    for way, shape in ((per_expert, one), (shared_way, shared)):
+                        way.update({f"{n[:-len('weight')]}{moe.scale_name}": moe.part_scale_shape(*shape)
+                                    for n in list(way)})
+                    out[name] = [{**per_expert, **shared_way}]
+                    continue
+                out[name] = [{**way, **shared_way} for way in ({f"{path}.{part}_proj": out[name][0][name]}, per_expert)]
         return out
 
 
