@@ -81,6 +81,22 @@ def test_fp8_experts_without_a_gate(dtype, block, t, cfg):
     assert rel_err(fused_experts_ref(x, w13, w2, weights, ids, relu2_ref, scales=scales), ref) < tol
 
 
+@pytest.mark.parametrize("t,cfg", [(1, None), (3, None), (9, FP8_SMALL)], ids=["gemv-one", "gemv-three", "tiles"])
+def test_fp8_experts_with_the_weights_on_their_input(t, cfg):
+    """Llama-4's experts (`weight_input`): sum_j W2 act(W13 (w_tj x_t)), fp32, against float64."""
+    e, k, h, inter = 5, 2, 128, 64
+    w13, w2, scales, d13, d2 = fp8_experts(e, inter, h, (32, 64), seed=t + 30)
+    x = torch.randn(t, h, generator=torch.Generator().manual_seed(t + 31)).to(DEVICE)
+    weights, ids = routing(t, e, k, seed=t + 32)
+    ref = torch.zeros(t, h, dtype=torch.float64, device=DEVICE)
+    for tok in range(t):
+        for j in range(k):
+            g = d13[int(ids[tok, j])] @ (weights[tok, j].double() * x[tok].double())
+            ref[tok] += d2[int(ids[tok, j])] @ (torch.nn.functional.silu(g[:inter]) * g[inter:])
+    got = fused_experts(x, w13, w2, weights, ids, silu_and_mul, config=cfg, weight_input=True, scales=scales)
+    assert rel_err(got, ref) < TOL[torch.float32]
+
+
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
 def test_one_token_through_wide_fp8_experts_takes_the_gemvs(gated):
     """FP8 experts wider than GEMV_MAX_INTERMEDIATE (Nemotron-3-Nano's 1,856) take the GEMVs for

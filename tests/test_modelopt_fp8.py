@@ -16,6 +16,7 @@ import torch
 
 from kernels.fp8 import FP8_DTYPE, quantize_fp8_ref
 from tests.test_engine import _hf_greedy, _prompts
+from tests.test_fp8_models import assert_greedy_equals_transformers
 from tests.test_models import COMMON, CONFIGS
 
 transformers = pytest.importorskip("transformers")
@@ -95,17 +96,6 @@ def _nemotron_modelopt_checkpoint(folder, seed: int = 0, extra: dict | None = No
     return hf
 
 
-def _assert_greedy_equals_transformers(hf, folder, tokens: int, **options) -> None:
-    """Two prompts through `LLM` on CPU in float32: greedy tokens as `hf`'s."""
-    from distengine import LLM, SamplingParams
-    prompts = _prompts(2)
-    with LLM(str(folder), device="cpu", dtype="float32", max_model_len=256, **options) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(max_tokens=tokens, temperature=0), use_tqdm=False)
-    for p, o in zip(prompts, outs):
-        assert o.outputs[0].token_ids == _hf_greedy(hf, p, tokens)
-
-
 def test_modelopt_configs_are_read_and_what_is_not_served_is_refused():
     from distengine.quantization import MODELOPT as METHOD
     from distengine.quantization import TENSOR, read_quantization_config, resolve_quantization
@@ -176,7 +166,7 @@ def test_nemotron_modelopt_checkpoint_tp2_on_ray_equals_transformers(tmp_path, r
     """Each rank's segments of the FP8 in_proj with their rows' scales, its out_proj columns, its
     share of every expert and of the shared expert."""
     hf = _nemotron_modelopt_checkpoint(tmp_path, seed=1)
-    _assert_greedy_equals_transformers(hf, tmp_path, 10, tensor_parallel_size=2)
+    assert_greedy_equals_transformers(hf, tmp_path, 10, tensor_parallel_size=2)
 
 
 # A Nemotron-H whose Mamba in_proj segments are whole 128-row blocks (z, x, B, C of 128; dt's 8
@@ -200,7 +190,7 @@ def test_mamba_in_proj_in_scale_blocks_and_a_split_that_cuts_them(tmp_path):
     hf = _nemotron_modelopt_checkpoint(tmp_path, extra=BLOCKED, quant=FP8_BLOCK, block=(128, 128))
     in_proj = load_model(tmp_path, NemotronHForCausalLM, TPGroup(), "float32").model.layers[0].mixer.in_proj
     assert in_proj.weight.dtype == FP8_DTYPE and in_proj.weight_scale_inv.shape == (5, 1)
-    _assert_greedy_equals_transformers(hf, tmp_path, 8)
+    assert_greedy_equals_transformers(hf, tmp_path, 8)
     quant = read_quantization_config({"quantization_config": FP8_BLOCK})
     with quantized_linears(quant), pytest.raises(ValueError, match=r"m\.in_proj: this rank's 64 of 520 output rows "
                                                                     r"cut the checkpoint's \(128, 128\) FP8 scale"):
@@ -272,4 +262,4 @@ def test_other_mamba2_hybrids_in_modelopt_fp8_greedy_equals_transformers(tmp_pat
     hf.config.architectures = [type(hf).__name__]
     hf.config.save_pretrained(tmp_path)
     safetensors.save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    _assert_greedy_equals_transformers(hf, tmp_path, 10)
+    assert_greedy_equals_transformers(hf, tmp_path, 10, max_model_len=256)

@@ -10,7 +10,8 @@
   rows of q_proj and k_proj at load, evens first then odds, so that pair (2i, 2i+1) lands on
   (i, i + d/2) and the neox kernel (Triton on GPU) computes exactly Cohere's rotation. Q and K get
   the same permutation, so q.k is unchanged (the full layers, which don't rotate, are permuted too,
-  harmlessly); V and o_proj are untouched, so the attention output is Cohere's.
+  harmlessly); V and o_proj are untouched, so the attention output is Cohere's. An FP8
+  checkpoint's q/k scales follow their rows (`NeoxRows`).
 * logits multiplied by `logit_scale`; tied input/output embeddings.
 """
 from __future__ import annotations
@@ -22,7 +23,6 @@ from torch import nn
 
 from distengine.model_config import SLIDING
 from workers.layers.attention import AttentionMetadata
-from workers.layers.linear import refuse_fp8
 from workers.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 
 
@@ -73,12 +73,36 @@ def interleaved_to_neox(t: torch.Tensor, head_dim: int) -> torch.Tensor:
     return t.unflatten(0, (-1, head_dim))[:, perm].flatten(0, 1)
 
 
+_QK_ROWS = tuple(f"self_attn.{p}_proj.{t}" for p in "qk" for t in ("weight", "bias"))
+
+
+class NeoxRows:
+    """The q/k checkpoint tensors whose rows a model reorders at load (`interleaved_to_neox`):
+    weights and biases, and an FP8 checkpoint's scales with them. Per-channel scales move with
+    their rows and a per-tensor one stays; block scales stay too, which holds only while each
+    scale block holds whole heads (the reordering then stays inside a block): otherwise the
+    model is refused when built."""
+
+    def __init__(self, attention: LlamaAttention, family: str) -> None:
+        self.head_dim, fp8 = attention.head_dim, attention.qkv_proj.fp8
+        if fp8 is not None and fp8.block is not None and fp8.block[0] % self.head_dim:
+            raise ValueError(f"{family}: FP8 q/k scale blocks of {fp8.block[0]} rows hold parts of heads of "
+                             f"{self.head_dim}; the rows reordered at load would cross blocks")
+        self.scales = () if fp8 is None or fp8.block is not None else \
+            tuple(f"self_attn.{p}_proj.{fp8.scale_name}" for p in "qk")
+
+    def __call__(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        if name.endswith(_QK_ROWS) or name.endswith(self.scales) and t.numel() > 1:
+            return interleaved_to_neox(t, self.head_dim)
+        return t
+
+
 class Cohere2ForCausalLM(LlamaForCausalLM):
     decoder_layer_cls = Cohere2DecoderLayer
 
     def __init__(self, config, tp, dtype, device, max_positions: int | None = None) -> None:
-        refuse_fp8("Cohere2", "q/k rows are reordered at load; their scales would need the same")
         super().__init__(config, tp, dtype, device, max_positions)
+        self.neox_rows = NeoxRows(self.model.layers[0].self_attn, "Cohere2") if len(self.model.layers) else None
 
     def final_norm(self, config, dtype, device) -> nn.Module:
         return CohereLayerNorm(config.hidden_size, config.layer_norm_eps, dtype, device)
@@ -88,10 +112,9 @@ class Cohere2ForCausalLM(LlamaForCausalLM):
         return [cache if kind == SLIDING else None for cache, kind in zip(caches, kinds)]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        d = self.model.layers[0].self_attn.head_dim if len(self.model.layers) else 0
-        qk = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.bias")
-        return super().load_weights((name, interleaved_to_neox(t, d) if name.endswith(qk) else t)
-                                    for name, t in weights)
+        if self.neox_rows is None:
+            return super().load_weights(weights)
+        return super().load_weights((name, self.neox_rows(name, t)) for name, t in weights)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return super().compute_logits(hidden) * self.config.logit_scale

@@ -37,8 +37,11 @@ multimodal checkpoints keep the language model under `language_model.model.` and
 `language_model.lm_head.` (`model.language_model.` / a top-level `lm_head.` are read too); the
 vision tower (`vision_model.*`) and the projector (`multi_modal_projector.*`) are not read. The
 embeddings are tied as the text config's `tie_word_embeddings` says (transformers ties them so,
-also inside the multimodal wrapper). Not read: experts stored one tensor per expert
-(`experts.{e}.gate_proj.weight`, ...), and quantized checkpoints (the FP8 ones), refused by name.
+also inside the multimodal wrapper). FP8 checkpoints (`distengine.quantization`'s formats, as
+llm-compressor writes Llama-4: the experts one tensor each, `experts.{e}.gate_proj.weight` with
+its scale) keep their experts in FP8 (`Fp8FusedMoE`, the shared expert in the same stack and
+format) and the linear layers the config quantizes; the q/k scales follow their reordered rows
+(`cohere2.NeoxRows`). Not read: bf16 experts stored one tensor per expert.
 """
 from __future__ import annotations
 
@@ -49,10 +52,11 @@ import torch
 from torch import nn
 
 from workers.layers.attention import AttentionMetadata
-from workers.layers.linear import refuse_fp8
-from workers.layers.moe import FusedMoE, Router
+from workers.layers.linear import linear_quantization
+from workers.layers.moe import SCALE_SUFFIX, ExpertWeightNames, FusedMoE, Router
+from workers.layers.moe_fp8 import Fp8FusedMoE, fp8_experts
 from workers.models.base import DecoderForCausalLM, multimodal_shapes, text_name
-from workers.models.cohere2 import interleaved_to_neox
+from workers.models.cohere2 import NeoxRows
 from workers.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, RMSNorm
 from workers.ops import qk_norm_rope_op, rotary_op
 from workers.parallel import TPGroup
@@ -119,9 +123,12 @@ class Llama4MoE(nn.Module):
         super().__init__()
         h, e, i = config.hidden_size, int(config.num_local_experts), int(config.intermediate_size)
         self.router = Router(h, e, dtype, device, name=f"{prefix}.router")
-        self.experts = FusedMoE(e, int(config.num_experts_per_tok), h, i, getattr(config, "hidden_act", None) or "silu",
-                                tp, dtype, device, f"{prefix}.experts", shared_intermediate=i, scoring="sigmoid",
-                                weight_input=True)
+        quant = linear_quantization()
+        fp8 = fp8_experts(quant, f"{prefix}.experts", shared=f"{prefix}.shared_expert")
+        cls, extra = (Fp8FusedMoE, {"quant": quant}) if fp8 else (FusedMoE, {})
+        self.experts = cls(e, int(config.num_experts_per_tok), h, i, getattr(config, "hidden_act", None) or "silu",
+                           tp, dtype, device, f"{prefix}.experts", shared_intermediate=i, scoring="sigmoid",
+                           weight_input=True, **extra)
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -157,11 +164,12 @@ class Llama4DecoderLayer(LlamaDecoderLayer):
         return self.feed_forward(h), residual
 
 
-_SHARED_EXPERT = re.compile(r"^(.*\.feed_forward)\.shared_expert\.(gate|up|down)_proj\.weight$")
+_SHARED_EXPERT = re.compile(rf"^(.*\.feed_forward)\.shared_expert\.(gate|up|down)_proj\.weight({SCALE_SUFFIX})?$")
 _HALF = {"gate": 0, "up": 1, "down": None}
 # checkpoint name suffix -> our parameter's
 EXPERT_NAMES = {".experts.gate_up_proj": ".experts.w13", ".experts.down_proj": ".experts.w2"}
-_QK = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.bias")
+# FP8 checkpoints keep the routed experts one tensor each, with their scales.
+_EXPERTS = ExpertWeightNames(r"feed_forward\.experts")
 
 
 class Llama4ForCausalLM(LlamaForCausalLM):
@@ -170,10 +178,10 @@ class Llama4ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config, tp: TPGroup, dtype, device, max_positions: int | None = None) -> None:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        refuse_fp8("Llama-4", "FP8 does not serve its experts: use a bf16 checkpoint")
         super().__init__(text, tp, dtype, device, max_positions)
         self.hf_config = config
         self.multimodal = text is not config
+        self.neox_rows = NeoxRows(self.model.layers[0].self_attn, "Llama-4") if len(self.model.layers) else None
 
     def rope_caches(self, config, kinds: list[str], device) -> list[torch.Tensor | None]:
         caches = super().rope_caches(config, kinds, device)
@@ -184,7 +192,11 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         name = text_name(name)
         m = _SHARED_EXPERT.match(name)
         if m:
-            return f"{m[1]}.experts.{'w2' if m[2] == 'down' else 'w13'}", ("shared", _HALF[m[2]])
+            ours = f"{'w2' if m[2] == 'down' else 'w13'}{'_scale' if m[3] else ''}"
+            return f"{m[1]}.experts.{ours}", ("shared", _HALF[m[2]])
+        expert = _EXPERTS.param(name)
+        if expert:
+            return expert
         for ckpt, ours in EXPERT_NAMES.items():
             if name.endswith(ckpt):
                 return name[: -len(ckpt)] + ours, None
@@ -194,9 +206,7 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         """A checkpoint tensor (named in the text model's spelling) in the layout we load."""
         if name.endswith(tuple(EXPERT_NAMES)):  # [E, H, 2I] -> [E, 2I, H]; [E, I, H] -> [E, H, I]
             return t.transpose(1, 2)
-        if name.endswith(_QK):
-            return interleaved_to_neox(t, self.model.layers[0].self_attn.head_dim)
-        return t
+        return t if self.neox_rows is None else self.neox_rows(name, t)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def converted() -> Iterator[tuple[str, torch.Tensor]]:
@@ -208,20 +218,29 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         """Every checkpoint tensor of the language model, named as a text-only checkpoint names it."""
         out: dict[str, tuple[int, ...]] = {}
         for name, shape in DecoderForCausalLM.expected_checkpoint_shapes(self).items():
+            if name.endswith(("experts.w13_scale", "experts.w2_scale")):
+                continue  # (with their FP8 experts' tensors, below)
             for ckpt, ours in EXPERT_NAMES.items():
                 if name.endswith(ours):
                     base = name[: -len(ours)]
-                    moe = self.get_submodule(base + ".experts")
-                    h, s = moe.hidden, moe.shared_intermediate
-                    out[base + ckpt] = (shape[0], shape[2], shape[1])  # stored transposed
-                    if ours == ".experts.w13":
-                        out.update({f"{base}.shared_expert.{p}_proj.weight": (s, h) for p in ("gate", "up")})
-                    else:
-                        out[f"{base}.shared_expert.down_proj.weight"] = (h, s)
+                    out.update(self._expert_shapes(base, ckpt, ours, shape))
                     break
             else:
                 out[name] = shape
         return out
+
+    def _expert_shapes(self, base: str, ckpt: str, ours: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        """An expert block's checkpoint tensors filling our `ours` (w13 or w2): stacked and stored
+        transposed, or (FP8) one tensor per expert, each with its scale; the shared expert's."""
+        moe = self.get_submodule(base + ".experts")
+        h, i, s = moe.hidden, moe.intermediate, moe.shared_intermediate
+        parts, one, shared = (("gate", "up"), (i, h), (s, h)) if ours == ".experts.w13" else (("down",), (h, i), (h, s))
+        out = {f"{base}.shared_expert.{p}_proj.weight": shared for p in parts}
+        if not isinstance(moe, Fp8FusedMoE):
+            return {**out, base + ckpt: (shape[0], shape[2], shape[1])}  # stored transposed
+        out.update({f"{base}.experts.{x}.{p}_proj.weight": one for x in range(moe.num_experts) for p in parts})
+        return {**out, **{f"{n[:-len('weight')]}{moe.scale_name}": moe.part_scale_shape(*shape)
+                          for n, shape in out.items()}}
 
     def expected_checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """A multimodal config's checkpoint keeps the language model under a prefix: the names
