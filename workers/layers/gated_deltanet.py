@@ -30,7 +30,6 @@ import torch
 from torch import nn
 
 from distengine.model_config import DeltaNetShape, StateLayout
-from distengine.quantization import BLOCK, CHANNEL
 from kernels.fp8 import FP8_DTYPE, scale_shape
 from kernels.gated_delta import GDN_MAX_CHUNK
 from kernels.gated_rmsnorm import GatedRMSNorm
@@ -99,7 +98,7 @@ class DeltaNetProjection(nn.Module):
                              f"but not {[p for p, q in quantized.items() if not q]}; they are one matrix here")
         if not any(quantized.values()):
             return None
-        return Fp8Layout(quant.scale_name, quant.block_size if quant.strategy == BLOCK else None, quant.strategy)
+        return Fp8Layout.of(quant)
 
     @property
     def fp8_scale(self) -> torch.Tensor | None:
@@ -125,9 +124,7 @@ class DeltaNetProjection(nn.Module):
             rows, cols = self.part_shapes(part)
             out[f"_{part}.weight"] = (rows, cols)
             if self.fp8 is not None and part not in TAIL_PARTS:
-                b = self.fp8.block
-                out[f"_{part}.{self.fp8.scale_name}"] = scale_shape(rows, cols, b) if b is not None else \
-                    (rows, 1) if self.fp8.strategy == CHANNEL else ()
+                out[f"_{part}.{self.fp8.scale_name}"] = self.fp8.checkpoint_shape(rows, cols)
         return out
 
     def row_map(self, part: str) -> tuple[int, torch.Tensor]:

@@ -64,6 +64,17 @@ class Fp8Layout:
     block: tuple[int, int] | None
     strategy: str
 
+    @classmethod
+    def of(cls, quant: QuantizationConfig) -> "Fp8Layout":
+        return cls(quant.scale_name, quant.block_size if quant.strategy == BLOCK else None, quant.strategy)
+
+    def checkpoint_shape(self, rows: int, cols: int) -> tuple[int, ...]:
+        """The checkpoint's scale tensor of one [rows, cols] weight: the block grid, [rows, 1] per
+        channel, or [] per tensor."""
+        if self.block is not None:
+            return scale_shape(rows, cols, self.block)
+        return (rows, 1) if self.strategy == CHANNEL else ()
+
 
 def block_rows(label: str, dst: int, src: torch.Tensor, rows: int, weight_rows: int, block: tuple[int, int],
                tp_size: int) -> tuple[int, torch.Tensor]:
@@ -109,7 +120,7 @@ class _ParallelLinear(nn.Module):
             self.weight = nn.Parameter(torch.empty(rows, cols, dtype=dtype, device=device), requires_grad=False)
             return
         assert quant is not None
-        self.fp8 = Fp8Layout(quant.scale_name, quant.block_size if quant.strategy == BLOCK else None, quant.strategy)
+        self.fp8 = Fp8Layout.of(quant)
         self.weight = nn.Parameter(torch.empty(rows, cols, dtype=FP8_DTYPE, device=device), requires_grad=False)
         scale = torch.empty(scale_shape(rows, cols, self.fp8.block), dtype=torch.float32, device=device)
         setattr(self, quant.scale_name, nn.Parameter(scale, requires_grad=False))
@@ -131,9 +142,7 @@ class _ParallelLinear(nn.Module):
     def _scale_shape(self, rows: int) -> tuple[int, ...]:
         """A checkpoint scale tensor of a part with `rows` output rows."""
         assert self.fp8 is not None
-        if self.fp8.block is not None:
-            return scale_shape(rows, self.in_features, self.fp8.block)
-        return (rows, 1) if self.fp8.strategy == CHANNEL else ()
+        return self.fp8.checkpoint_shape(rows, self.in_features)
 
     def _shapes(self, rows: int) -> dict[str, tuple[int, ...]]:
         out = {"weight": (rows, self.in_features)}

@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from distengine.model_config import MambaShape, mamba_groups_per_rank
-from distengine.quantization import BLOCK, CHANNEL
 from kernels.fp8 import FP8_DTYPE, scale_shape
 from kernels.gated_rmsnorm import GatedRMSNorm
 from kernels.mamba_conv import ConvStep
@@ -50,8 +49,7 @@ class Segmented(nn.Module):
         quant = linear_quantization() if linear else None
         self.fp8: Fp8Layout | None = None
         if quant is not None and quant.quantizes(name):
-            self.fp8 = Fp8Layout(quant.scale_name, quant.block_size if quant.strategy == BLOCK else None,
-                                 quant.strategy)
+            self.fp8 = Fp8Layout.of(quant)
             self.weight = nn.Parameter(torch.empty(size, *inner, dtype=FP8_DTYPE, device=device), requires_grad=False)
             scale = torch.empty(scale_shape(size, inner[0], self.fp8.block), dtype=torch.float32, device=device)
             setattr(self, quant.scale_name, nn.Parameter(scale, requires_grad=False))
@@ -74,9 +72,7 @@ class Segmented(nn.Module):
         if self.bias is not None:
             out["bias"] = (self.full_rows,)
         if self.fp8 is not None:
-            block, strategy = self.fp8.block, self.fp8.strategy
-            out[self.fp8.scale_name] = (scale_shape(self.full_rows, self.inner[0], block) if block is not None
-                                        else (self.full_rows, 1) if strategy == CHANNEL else ())
+            out[self.fp8.scale_name] = self.fp8.checkpoint_shape(self.full_rows, self.inner[0])
         return out
 
     def _row_maps(self) -> list[tuple[int, torch.Tensor]]:

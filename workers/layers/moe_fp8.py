@@ -16,9 +16,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from distengine.quantization import BLOCK, CHANNEL, QuantizationConfig
+from distengine.quantization import QuantizationConfig
 from kernels.fp8 import FP8_DTYPE, FP8_MAX
 from kernels.fused_moe import ExpertScales
+from workers.layers.linear import Fp8Layout
 from workers.layers.moe import FusedMoE
 from workers.ops import fused_experts_op
 
@@ -49,8 +50,8 @@ class Fp8FusedMoE(FusedMoE):
     tensors with the same shards)."""
 
     def __init__(self, *args, quant: QuantizationConfig, **kwargs) -> None:
-        self.block = quant.block_size if quant.strategy == BLOCK else None
-        self.strategy, self.scale_name = quant.strategy, quant.scale_name
+        self.layout = Fp8Layout.of(quant)
+        self.block, self.scale_name = self.layout.block, self.layout.scale_name
         super().__init__(*args, **kwargs)
         if kwargs.get("bias"):
             raise ValueError(f"{self.name}: FP8 experts with biases are not supported")
@@ -92,9 +93,7 @@ class Fp8FusedMoE(FusedMoE):
 
     def part_scale_shape(self, rows: int, cols: int) -> tuple[int, ...]:
         """The checkpoint scale tensor of one [rows, cols] projection."""
-        if self.block is not None:
-            return (-(-rows // self.block[0]), -(-cols // self.block[1]))
-        return (rows, 1) if self.strategy == CHANNEL else ()
+        return self.layout.checkpoint_shape(rows, cols)
 
     def full_shapes(self) -> dict[str, tuple[int, ...]]:
         """Our stacked parameters' full shapes (the checkpoint fills them one expert at a time)."""
