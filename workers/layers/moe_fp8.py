@@ -19,7 +19,7 @@ from torch import nn
 from distengine.quantization import QuantizationConfig
 from kernels.fp8 import FP8_DTYPE, FP8_MAX
 from kernels.fused_moe import ExpertScales
-from workers.layers.linear import Fp8Layout
+from workers.layers.linear import Fp8Layout, linear_quantization
 from workers.layers.moe import FusedMoE
 from workers.ops import fused_experts_op
 
@@ -41,6 +41,15 @@ def fp8_experts(quant: QuantizationConfig | None, name: str, gated: bool = True,
                          f"not {[m for m, q in quantized.items() if not q]}; the routed and shared experts are one "
                          f"stack here, in one format")
     return all(quantized.values())
+
+
+def experts_class(name: str, gated: bool = True, shared: str | None = None) -> tuple[type, dict]:
+    """The experts' layer for a model being built (`fp8_experts` under the quantization linear
+    layers take now) and the options it adds: `Fp8FusedMoE` and its quantization, or `FusedMoE`."""
+    quant = linear_quantization()
+    if fp8_experts(quant, name, gated, shared):
+        return Fp8FusedMoE, {"quant": quant}
+    return FusedMoE, {}
 
 
 class Fp8FusedMoE(FusedMoE):
@@ -94,6 +103,11 @@ class Fp8FusedMoE(FusedMoE):
     def part_scale_shape(self, rows: int, cols: int) -> tuple[int, ...]:
         """The checkpoint scale tensor of one [rows, cols] projection."""
         return self.layout.checkpoint_shape(rows, cols)
+
+    def with_scales(self, weights: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        """Checkpoint weights (`....weight`: [rows, cols]) and, beside each, its scale tensor."""
+        return {**weights, **{f"{n[:-len('weight')]}{self.scale_name}": self.part_scale_shape(*shape)
+                              for n, shape in weights.items()}}
 
     def full_shapes(self) -> dict[str, tuple[int, ...]]:
         """Our stacked parameters' full shapes (the checkpoint fills them one expert at a time)."""

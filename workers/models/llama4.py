@@ -52,9 +52,8 @@ import torch
 from torch import nn
 
 from workers.layers.attention import AttentionMetadata
-from workers.layers.linear import linear_quantization
-from workers.layers.moe import SCALE_SUFFIX, ExpertWeightNames, FusedMoE, Router
-from workers.layers.moe_fp8 import Fp8FusedMoE, fp8_experts
+from workers.layers.moe import SCALE_SUFFIX, ExpertWeightNames, Router
+from workers.layers.moe_fp8 import Fp8FusedMoE, experts_class
 from workers.models.base import DecoderForCausalLM, multimodal_shapes, text_name
 from workers.models.cohere2 import NeoxRows
 from workers.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, RMSNorm
@@ -123,9 +122,7 @@ class Llama4MoE(nn.Module):
         super().__init__()
         h, e, i = config.hidden_size, int(config.num_local_experts), int(config.intermediate_size)
         self.router = Router(h, e, dtype, device, name=f"{prefix}.router")
-        quant = linear_quantization()
-        fp8 = fp8_experts(quant, f"{prefix}.experts", shared=f"{prefix}.shared_expert")
-        cls, extra = (Fp8FusedMoE, {"quant": quant}) if fp8 else (FusedMoE, {})
+        cls, extra = experts_class(f"{prefix}.experts", shared=f"{prefix}.shared_expert")
         self.experts = cls(e, int(config.num_experts_per_tok), h, i, getattr(config, "hidden_act", None) or "silu",
                            tp, dtype, device, f"{prefix}.experts", shared_intermediate=i, scoring="sigmoid",
                            weight_input=True, **extra)
@@ -239,8 +236,7 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         if not isinstance(moe, Fp8FusedMoE):
             return {**out, base + ckpt: (shape[0], shape[2], shape[1])}  # stored transposed
         out.update({f"{base}.experts.{x}.{p}_proj.weight": one for x in range(moe.num_experts) for p in parts})
-        return {**out, **{f"{n[:-len('weight')]}{moe.scale_name}": moe.part_scale_shape(*shape)
-                          for n, shape in out.items()}}
+        return moe.with_scales(out)
 
     def expected_checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """A multimodal config's checkpoint keeps the language model under a prefix: the names

@@ -60,9 +60,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from distengine.model_config import MAMBA, MLP, MOE
-from workers.layers.linear import ColumnParallelLinear, RowParallelLinear, linear_quantization
+from workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from workers.layers.moe import SCALE_SUFFIX, ExpertWeightNames, FusedMoE, Router
-from workers.layers.moe_fp8 import Fp8FusedMoE, fp8_experts
+from workers.layers.moe_fp8 import Fp8FusedMoE, experts_class
 from workers.models.base import STACKED
 from workers.models.hybrid import ATTENTION, HybridDecoderLayer, HybridForCausalLM, HybridModel
 from workers.parallel import TPGroup
@@ -122,9 +122,8 @@ class NemotronHMoE(nn.Module):
         shared = int(cfg(config, "moe_shared_expert_intermediate_size", default=0))
         self.tp = tp
         self.gate = Router(h, e, torch.float32, device, name=f"{prefix}.gate", correction_bias=True)
-        quant = linear_quantization()
-        fp8 = fp8_experts(quant, f"{prefix}.experts", gated=False, shared=f"{prefix}.shared_experts" if shared else None)
-        cls, extra = (Fp8FusedMoE, {"quant": quant}) if fp8 else (FusedMoE, {})
+        cls, extra = experts_class(f"{prefix}.experts", gated=False,
+                                   shared=f"{prefix}.shared_experts" if shared else None)
         self.experts = cls(
             e, int(config.num_experts_per_tok), h, int(config.moe_intermediate_size), act, tp, dtype, device,
             f"{prefix}.experts", renormalize=bool(cfg(config, "norm_topk_prob", default=True)),
@@ -210,10 +209,7 @@ class NemotronHForCausalLM(HybridForCausalLM):
                 shared_way = {f"{mixer}.shared_experts.{part}_proj.weight": shared} if s else {}
                 if isinstance(moe, Fp8FusedMoE):  # per expert only, each weight with its scale
                     del out[f"{name}_scale"]
-                    for way, shape in ((per_expert, one), (shared_way, shared)):
-                        way.update({f"{n[:-len('weight')]}{moe.scale_name}": moe.part_scale_shape(*shape)
-                                    for n in list(way)})
-                    out[name] = [{**per_expert, **shared_way}]
+                    out[name] = [moe.with_scales({**per_expert, **shared_way})]
                     continue
                 out[name] = [{**way, **shared_way} for way in ({f"{path}.{part}_proj": out[name][0][name]}, per_expert)]
         return out

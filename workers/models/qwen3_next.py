@@ -32,9 +32,9 @@ from torch import nn
 
 from distengine.model_config import FULL, LINEAR
 from workers.layers.gated_deltanet import DeltaNetProjection, GatedDeltaNet
-from workers.layers.linear import MergedColumnParallelLinear, RowParallelLinear, linear_quantization
+from workers.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from workers.layers.moe import SCALE_SUFFIX, ExpertWeightNames, FusedMoE, Router
-from workers.layers.moe_fp8 import Fp8FusedMoE, fp8_experts
+from workers.layers.moe_fp8 import Fp8FusedMoE, experts_class
 from workers.models.base import DecoderForCausalLM
 from workers.models.hybrid import HybridDecoderLayer, HybridForCausalLM
 from workers.models.llama import LlamaAttention
@@ -80,9 +80,7 @@ class Qwen3NextSparseMoe(nn.Module):
         self.tp = tp
         self.gate = Router(h, e, dtype, device, shared_gate=True, name=f"{prefix}.gate")
         shared = int(config.shared_expert_intermediate_size)
-        quant = linear_quantization()
-        fp8 = fp8_experts(quant, f"{prefix}.experts", shared=f"{prefix}.shared_expert" if shared else None)
-        cls, extra = (Fp8FusedMoE, {"quant": quant}) if fp8 else (FusedMoE, {})
+        cls, extra = experts_class(f"{prefix}.experts", shared=f"{prefix}.shared_expert" if shared else None)
         self.experts = cls(e, int(config.num_experts_per_tok), h, int(config.moe_intermediate_size),
                            getattr(config, "hidden_act", None) or "silu", tp, dtype, device, f"{prefix}.experts",
                            renormalize=renormalize, shared_intermediate=shared, **extra)
@@ -179,12 +177,7 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
                 per_expert = {f"{base}.{x}.{p}_proj.weight": (rows, cols) for x in range(e) for p in parts}
                 shared = {f"{mlp}.shared_expert.{p}_proj.weight": shared_shape for p in parts} if s else {}
                 if isinstance(owner, Fp8FusedMoE):  # per expert only, each weight with its scale
-                    scale = owner.scale_name
-                    per_expert.update({f"{n[:-len('weight')]}{scale}": owner.part_scale_shape(rows, cols)
-                                       for n in list(per_expert)})
-                    shared.update({f"{n[:-len('weight')]}{scale}": owner.part_scale_shape(*shared_shape)
-                                   for n in list(shared)})
-                    out[name] = [{**per_expert, **shared}]
+                    out[name] = [owner.with_scales({**per_expert, **shared})]
                     continue
                 stacked = {f"{base}.{'gate_up' if name.endswith('.w13') else 'down'}_proj": shape}
                 out[name] = [{**way, **shared} for way in (stacked, per_expert)]
